@@ -1,0 +1,341 @@
+"""
+Times the training step that train.py runs (optim.train_step itself: forward, backward, clip, optimizer step) and,
+in the same process and on the same weights, the alternatives one would otherwise use.
+    python bench.py                                  # ms/step, tokens/s, MFU, peak memory
+    python bench.py --table=True                     # dtype x compile, laid out like the nanoT5 paper's Table 1
+    python bench.py --compare=hf                     # the same step in transformers' T5ForConditionalGeneration
+    python bench.py --compare=null                   # ours against ours: the noise floor of every ratio here
+    python bench.py --part=data                      # span corruption of a batch vs one example at a time
+    python bench.py --part=optim                     # AdamWScale vs torch.optim.AdamW(foreach=True)
+    python bench.py --part=generate                  # greedy decoding vs transformers' generate
+    python bench.py --profile=True                   # torch.profiler trace of every timed side, into out_dir
+The CPU measurements of the README:
+    python bench.py --device=cpu --threads=2 --dtype=float32 --compile=False --compare=hf
+"""
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from model import T5, T5Config, UserError
+from optim import make_optimizer, param_groups, print0, setup_runtime, train_step
+from prepare import SpanCorruptionBatches, compute_input_and_target_lengths
+
+# -----------------------------------------------------------------------------------------------------------------
+# default config; --key=value overrides any of these
+part = "train"  # 'train', 'data' (span corruption), 'optim' (optimizer step) or 'generate' (greedy decoding)
+compare = ""  # '': ours alone (train) or against the part's reference; 'hf': against transformers; 'null': ours twice
+table = False  # part=train: every dtype x compile row in one run
+profile = False
+out_dir = "out/bench"  # profiler traces go here
+data_dir = ""  # a prepare.py folder to time real span-corrupted batches; '' -> random ids, no loading in the step
+# model and shapes
+model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
+batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's), 4 elsewhere (128 for part=data)
+grad_accum_steps = 1
+input_length = 512
+noise_density = 0.15
+mean_noise_span_length = 3.0
+generate_batch_size = 8
+max_new_tokens = 128
+# the step, as train.py's defaults
+lr = 2e-2
+grad_clip = 1.0
+# timing
+burn_in = 3  # untimed calls first: compilation, allocator and thread-pool warm-up, optimizer state creation
+steps = 10  # timed calls (per side when two are compared)
+peak_flops = 0.0  # dense peak FLOP/s for MFU; 0 -> optim.PEAK_FLOPS for known GPUs
+# system
+device = "auto"
+dtype = "bfloat16"
+compile = True
+threads = 0  # CPU threads for torch; 0 -> all cores
+seed = 1337
+# -----------------------------------------------------------------------------------------------------------------
+
+# the nanoT5 paper's Table 1: seconds per step of its default T5-v1.1-base pre-training step on one A100
+PAPER_A100_S_PER_STEP = {("float32", False): 4.10, ("tfloat32", False): 1.39, ("bfloat16", False): 1.30,
+                         ("tfloat32", True): 0.95, ("bfloat16", True): 0.56}
+
+
+def timed(fn, sync):
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def side_by_side(a, b, work, unit, sync):
+    """
+    Median seconds per call of two (name, fn) sides, timed in the order A B B A A B ... after burn_in calls of each,
+    so that drift (other processes on the machine, clocks, caches) lands on both alike. Prints both as throughput
+    (work units per call) and the ratio; every comparison in this file goes through here.
+    """
+    sides = (a, b)
+    for _, fn in sides:
+        for _ in range(burn_in):
+            fn()
+    times = ([], [])
+    for i in range(steps):
+        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+            times[side].append(timed(sides[side][1], sync))
+    medians = [statistics.median(t) for t in times]
+    for (name, _), t in zip(sides, medians):
+        print0(f"{name:>34s}: {1000 * t:10.1f} ms {work / t:12,.0f} {unit}/s")
+    print0(f"{a[0]} / {b[0]}: {medians[1] / medians[0]:.2f}x the throughput (medians of {steps} alternating calls)")
+    if profile:
+        for name, fn in sides:
+            trace(name, fn, sync)
+    return medians
+
+
+def trace(name, fn, sync):
+    """a chrome trace (open in chrome://tracing or ui.perfetto.dev) and the ops that took the most time"""
+    from torch.profiler import ProfilerActivity
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            fn()
+            sync()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"trace_{part}_{name.replace(' ', '_')}.json")
+    prof.export_chrome_trace(path)
+    print0(f"\nprofile of {name}, 3 calls (trace in {path}):")
+    print0(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=20))
+
+
+def peak_memory():
+    """bytes: the CUDA allocator's high-water mark, or on CPU the whole process's max resident set so far"""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def build_model(rt, vocab_size):
+    torch.manual_seed(seed)
+    t5 = T5(T5Config.from_preset(model_name, vocab_size=vocab_size))
+    return t5.to(rt.device)
+
+
+def transformers_twin(t5, rt):
+    """transformers' T5ForConditionalGeneration holding exactly our weights, through our own save_pretrained"""
+    import transformers
+    # its loading progress bar and its note that our untied lm_head stays untied would drown the timings
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as folder:
+        t5.save_pretrained(folder)
+        return transformers.T5ForConditionalGeneration.from_pretrained(folder).to(rt.device)
+
+
+def our_twin(t5, rt):
+    """a second copy of ours with the same weights, for the null comparison"""
+    with tempfile.TemporaryDirectory() as folder:
+        t5.save_pretrained(folder)
+        return T5.from_pretrained(folder).to(rt.device)
+
+
+class TransformersAdapter(torch.nn.Module):
+    """transformers' T5 behind our forward's signature, so that optim.train_step runs it unchanged"""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        out = self.hf(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
+        return out.logits, out.loss
+
+
+def batches(rt, vocab_size):
+    """get_batch for train_step: real batches from data_dir, a new one each step as train.py loads them, or one fixed
+    random batch (then the step has no data loading in it)"""
+    micro_batch_size = batch_size // grad_accum_steps
+    if not data_dir:
+        generator = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, vocab_size, (micro_batch_size, input_length), generator=generator)
+        labels = torch.randint(0, vocab_size, (micro_batch_size, targets_length), generator=generator)
+        input_ids, labels = input_ids.to(rt.device), labels.to(rt.device)
+        return lambda micro_step: (input_ids, labels, None)
+    data = SpanCorruptionBatches(data_dir, "train", batch_size, input_length, noise_density, mean_noise_span_length,
+                                 seed, vocab_size)
+    step = -1
+
+    def get_batch(micro_step):
+        nonlocal step
+        step += micro_step == 0
+        input_ids, labels = data.get(step, micro_step, grad_accum_steps, device=rt.device)
+        return input_ids, labels, None
+    return get_batch
+
+
+def training_step(net, rt, get_batch, compile_model):
+    """one call = one optimizer step of optim.train_step, with train.py's optimizer and clipping"""
+    optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr)
+    net = torch.compile(net) if compile_model else net
+    return lambda: train_step(net, optimizer, get_batch, grad_accum_steps, lr, grad_clip, autocast=rt.autocast)
+
+
+def bench_train(rt, vocab_size, compile_model):
+    """ms/step, tokens/s, MFU and peak memory of our training step alone"""
+    t5 = build_model(rt, vocab_size)
+    step_fn = training_step(t5, rt, batches(rt, vocab_size), compile_model)
+    if rt.device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(burn_in):
+        step_fn()
+    dt = statistics.median(timed(step_fn, rt_sync) for _ in range(steps))
+    peak = peak_flops or rt.peak_flops()
+    mfu = t5.flops_per_step(batch_size, input_length, targets_length) / dt / peak if peak else None
+    if profile:
+        trace("ours", step_fn, rt_sync)
+    return dt, tokens_per_step / dt, mfu, peak_memory()
+
+
+def print_table(rt, vocab_size):
+    print0(f"{'precision':>10s} {'compile':>8s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>6s} {'peak mem':>9s} "
+           f"{'paper, A100':>12s}")
+    for row_compile in (False, True):
+        for row_dtype in ("float32", "tfloat32", "bfloat16"):
+            paper = PAPER_A100_S_PER_STEP.get((row_dtype, row_compile))
+            paper_text = f"{paper:12.2f}" if paper else f"{'-':>12s}"
+            head = f"{row_dtype:>10s} {'yes' if row_compile else 'no':>8s}"
+            if row_dtype == "tfloat32" and rt.device_type != "cuda":
+                print0(f"{head}  skipped: TF32 is an NVIDIA tensor-core mode, here it is float32   {paper_text}")
+                continue
+            row_rt = setup_runtime(device, row_dtype, seed)
+            dt, tokens_per_s, mfu, memory = bench_train(row_rt, vocab_size, row_compile)
+            mfu_text = f"{100 * mfu:5.1f}%" if mfu else f"{'-':>6s}"
+            print0(f"{head} {dt:8.2f} {tokens_per_s:10,.0f} {mfu_text} {memory / 2**30:7.2f}GB {paper_text}")
+
+
+def bench_train_side_by_side(rt, vocab_size):
+    t5 = build_model(rt, vocab_size)
+    other = our_twin(t5, rt) if compare == "null" else TransformersAdapter(transformers_twin(t5, rt))
+    get_batch = batches(rt, vocab_size)
+    # both sides compiled or neither
+    side_by_side(("ours", training_step(t5, rt, get_batch, compile)),
+                 ("ours again" if compare == "null" else "transformers", training_step(other, rt, get_batch, compile)),
+                 tokens_per_step, "tok", rt_sync)
+
+
+def bench_data():
+    """building one global batch of span-corrupted examples, as the data loader does every step"""
+    from prepare import span_corrupt, span_corrupt_per_example
+    rows = batch_size or 128
+    first_sentinel_id, eos_id = 32099, 1  # the T5 tokenizer's <extra_id_0> and </s>
+    # uint16, as the loader reads windows out of the .bin shards
+    tokens = np.random.default_rng(seed).integers(2, first_sentinel_id - 99, (rows, raw_length), dtype=np.uint16)
+    print0(f"span corruption of {rows} x {raw_length} tokens -> inputs {input_length}, targets {targets_length}")
+
+    def corrupt(implementation):
+        # a fresh rng every call: every call does the same work
+        return lambda: implementation(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id,
+                                      np.random.default_rng(seed))
+    reference = ("batched again", corrupt(span_corrupt)) if compare == "null" else \
+        ("per example", corrupt(span_corrupt_per_example))
+    side_by_side(("batched", corrupt(span_corrupt)), reference, rows * raw_length, "tok", lambda: None)
+
+
+def bench_optim(rt, vocab_size):
+    t5 = build_model(rt, vocab_size)
+    twin = our_twin(t5, rt)
+    for p, q in zip(t5.parameters(), twin.parameters()):
+        p.grad = torch.randn_like(p) * 1e-3
+        q.grad = p.grad.clone()
+    ours = make_optimizer("adamwscale", param_groups(t5, 0.0), lr)
+    if compare == "null":
+        reference = ("AdamWScale again", make_optimizer("adamwscale", param_groups(twin, 0.0), lr).step)
+    else:
+        reference = ("AdamW(foreach=True)", torch.optim.AdamW(param_groups(twin, 0.0), lr, foreach=True).step)
+    print0(f"one optimizer step over {t5.num_params():,} parameters")
+    side_by_side(("AdamWScale", ours.step), reference, t5.num_params(), "param", rt_sync)
+
+
+def bench_generate(rt, vocab_size):
+    """
+    Greedy decoding of generate_batch_size x max_new_tokens. Random weights often pick EOS early, and a batch that
+    stops early measures less work; both models get an EOS id no token can have (ours -1, transformers' None), so
+    both always run all max_new_tokens steps, and the shapes are checked below.
+    """
+    t5 = build_model(rt, vocab_size).eval()
+    other = our_twin(t5, rt) if compare == "null" else transformers_twin(t5, rt)
+    other.eval()
+    t5.config.eos_token_id = -1
+    if compare == "null":
+        other.config.eos_token_id = -1
+    else:
+        other.generation_config.eos_token_id = None
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(2, vocab_size, (generate_batch_size, input_length), generator=generator).to(rt.device)
+
+    def ours(net):
+        def run():
+            with rt.autocast():
+                return net.generate(input_ids, max_new_tokens=max_new_tokens)
+        return run
+
+    def theirs():
+        with rt.autocast():
+            out = other.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                 num_beams=1, max_new_tokens=max_new_tokens)
+        return out[:, 1:]  # transformers returns the decoder start token too
+    reference = ("ours again", ours(other)) if compare == "null" else ("transformers", theirs)
+    tokens_a, tokens_b = ours(t5)(), reference[1]()
+    expected = (generate_batch_size, max_new_tokens)
+    if tokens_a.shape != expected or tokens_b.shape != expected:
+        raise RuntimeError(f"generated {tuple(tokens_a.shape)} and {tuple(tokens_b.shape)} tokens, not {expected}")
+    print0(f"greedy decoding of {expected[0]} x {expected[1]} new tokens after {input_length} input tokens; "
+           f"{100 * (tokens_a == tokens_b).float().mean():.1f}% of the tokens agree")
+    side_by_side(("ours", ours(t5)), reference, generate_batch_size * max_new_tokens, "tok", rt_sync)
+
+
+if __name__ == "__main__":
+    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    if part not in ("train", "data", "optim", "generate"):
+        raise UserError(f"part '{part}' is not one of train, data, optim, generate")
+    if compare not in ("", "hf", "null") or (compare == "hf" and part in ("data", "optim")):
+        raise UserError(f"compare '{compare}' is not valid here; use '' (the part's reference), 'null', or 'hf' "
+                        f"with part=train or part=generate")
+    if table and (part != "train" or compare):
+        raise UserError("--table=True times our training step alone; drop --part and --compare")
+    torch.set_num_threads(threads or os.cpu_count())
+    rt = setup_runtime(device, dtype, seed)
+    rt_sync = torch.cuda.synchronize if rt.device_type == "cuda" else lambda: None
+    on_cuda = rt.device_type == "cuda"
+    model_name = model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small")
+    batch_size = batch_size or (128 if on_cuda or part == "data" else 4)
+    if batch_size % grad_accum_steps:
+        raise UserError(f"batch_size={batch_size} must split evenly into grad_accum_steps={grad_accum_steps}")
+    raw_length, targets_length = compute_input_and_target_lengths(input_length, noise_density, mean_noise_span_length)
+    tokens_per_step = batch_size * (input_length + targets_length)
+    vocab_size = T5Config.from_preset(model_name).vocab_size
+    if data_dir:
+        from prepare import load_meta
+        vocab_size = load_meta(data_dir)["model_vocab_size"]
+    name = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
+    shape = f"batch {batch_size} x ({input_length} input + {targets_length} target) | " if part == "train" else ""
+    print0(f"{name} | {model_name} | {part} | {shape}{dtype} | compile={compile} | "
+           f"{'data from ' + data_dir if data_dir else 'random ids'}")
+
+    if part == "data":
+        bench_data()
+    elif part == "optim":
+        bench_optim(rt, vocab_size)
+    elif part == "generate":
+        bench_generate(rt, vocab_size)
+    elif table:
+        print_table(rt, vocab_size)
+    elif compare:
+        bench_train_side_by_side(rt, vocab_size)
+    else:
+        dt, tokens_per_s, mfu, memory = bench_train(rt, vocab_size, compile)
+        mfu_text = f" | MFU {100 * mfu:.1f}%" if mfu else ""
+        print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | "
+               f"peak memory {memory / 2**30:.2f} GB")

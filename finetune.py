@@ -1,0 +1,352 @@
+"""
+Fine-tune a T5 on Super-Natural-Instructions (SNI) and report Rouge-L on its held-out test tasks: the downstream check
+of the nanoT5 paper, with Tk-Instruct's recipe (definition + 2 positive examples, at most 100 instances per task).
+Start from a train.py checkpoint or from any Hugging Face T5:
+
+$ git clone https://github.com/allenai/natural-instructions
+$ python finetune.py --init_from=out/ckpt.pt
+$ python finetune.py --init_from=google/t5-v1_1-base --out_dir=out-ft-base
+$ python finetune.py --init_from=out-finetune/ckpt.pt --eval_only=True --out_dir=out-eval
+$ python finetune.py --init_from=resume  # continue the run in out_dir after Ctrl-C
+
+With DDP on 4 GPUs of one node:
+$ torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/ckpt.pt
+"""
+import json
+import os
+import random
+import string
+import time
+from functools import lru_cache
+from statistics import mean
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from model import T5, UserError, atomic_write, load_checkpoint, save_checkpoint
+from optim import (Logger, StopSignal, checkpoint_state, make_optimizer, param_groups, print0, restore_rng,
+                   setup_runtime, train_step)
+from prepare import SentencePieceTokenizer, load_tokenizer, t5_spiece
+
+# -----------------------------------------------------------------------------
+# default config values, those of nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data setup
+# I/O
+data_dir = "natural-instructions"  # a clone of allenai/natural-instructions
+init_from = "out/ckpt.pt"  # a train.py/finetune.py checkpoint, a Hugging Face T5 name or folder, or 'resume'
+out_dir = "out-finetune"
+eval_only = False  # only evaluate init_from on the test tasks
+log_interval = 10
+checkpoint_interval = 1000  # optimizer steps between checkpoints, so a killed run loses little
+wandb_log = False
+wandb_project = "nanoT5"
+wandb_run_name = "finetune"
+# data
+max_num_instances_per_task = 100
+num_pos_examples = 2
+max_input_length = 1024  # tokens, EOS included
+max_target_length = 128
+# optimizer: AdamW at a constant lr, no warmup, no weight decay, no clipping
+optimizer = "adamw"
+lr = 5e-5
+weight_decay = 0.0
+grad_clip = 0.0
+batch_size = 8  # examples per optimizer step, over all micro steps and DDP ranks
+grad_accum_steps = 1
+epochs = 2
+dropout = 0.1  # T5's fine-tuning dropout; pre-training runs without
+# evaluation
+eval_batch_size = 32
+max_new_tokens = 128
+# system
+device = "auto"  # cuda > mps > cpu
+dtype = "float32"  # the paper's fine-tuning numbers are fp32; 'bfloat16' is faster on GPUs that have it
+seed = 1337
+# -----------------------------------------------------------------------------
+
+
+def read_task(path):
+    """One SNI task file as a dict, or None when it is unreadable or a field is missing or of the wrong type."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        definition = raw["Definition"]
+        task = dict(
+            # current task files hold a list of definitions, older ones a plain string; Tk-Instruct takes the first
+            definition=definition[0] if isinstance(definition, list) else definition,
+            positives=[(ex["input"], ex["output"]) for ex in raw["Positive Examples"]],
+            instances=[(inst.get("id"), inst["input"], inst["output"]) for inst in raw["Instances"]],
+        )
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    texts = [task["definition"], *(text for example in task["positives"] for text in example),
+             *(instance_input for _, instance_input, _ in task["instances"])]
+    references_ok = all(isinstance(refs, list) and refs and all(isinstance(ref, str) for ref in refs)
+                        for _, _, refs in task["instances"])
+    return task if references_ok and all(isinstance(text, str) for text in texts) else None
+
+
+def load_split(data_dir, split, max_num_instances_per_task, seed):
+    """SNI's default train or test split as dicts of task, id, definition, positives, input, references, target."""
+    split_file = os.path.join(data_dir, "splits", "default", f"{split}_tasks.txt")
+    if not os.path.isfile(split_file):
+        raise UserError(f"no SNI split file {split_file}: get the data with "
+                        f"`git clone https://github.com/allenai/natural-instructions {data_dir}`")
+    with open(split_file, encoding="utf-8") as f:
+        task_names = [line.strip() for line in f if line.strip()]
+    examples, skipped = [], []
+    for name in task_names:
+        task = read_task(os.path.join(data_dir, "tasks", name + ".json"))
+        if task is None:
+            skipped.append(name)
+            continue
+        instances = task["instances"]
+        if split == "test":
+            instances = instances[:100]  # SNI puts each test task's 100 label-balanced evaluation instances first
+        # one generator per task, so a task's draw doesn't depend on which tasks come before it in the split
+        rng = random.Random(f"{seed}-{name}")
+        chosen = sorted(rng.sample(range(len(instances)), min(max_num_instances_per_task, len(instances))))
+        for i in chosen:
+            instance_id, instance_input, references = instances[i]
+            examples.append(dict(task=name, id=instance_id or f"{name}-{i}", definition=task["definition"],
+                                 positives=task["positives"], input=instance_input, references=references,
+                                 target=rng.choice(references)))
+    if skipped:
+        print0(f"warning: skipped {len(skipped)} of {len(task_names)} {split} task files that are missing or lack a "
+               f"field: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
+    if not examples:
+        raise UserError(f"no usable tasks in {split_file}: is {data_dir} a clone of allenai/natural-instructions?")
+    return examples
+
+
+def end_with_punctuation(text):
+    # Tk-Instruct ends the definition and every input/output line with a period unless it already ends in punctuation
+    return text if text[-1] in string.punctuation else text + "."
+
+
+def build_prompt(definition, positives, instance_input, num_pos_examples=2):
+    """Tk-Instruct's "definition + positive examples" prompt, spacing and periods included."""
+    prompt = end_with_punctuation("Definition: " + definition.strip()) + "\n\n"
+    for i, (example_input, example_output) in enumerate(positives[:num_pos_examples]):
+        prompt += f" Positive Example {i + 1} -\n"
+        prompt += end_with_punctuation(f"Input: {example_input.strip()}") + "\n"
+        prompt += end_with_punctuation(f" Output: {example_output.strip()}") + "\n\n"
+    prompt += "Now complete the following example -\n"
+    prompt += end_with_punctuation(f"Input: {instance_input.strip()}") + "\n"
+    return prompt + "Output: "
+
+
+def tokenize_example(example, tokenizer, eos_id, max_input_length, max_target_length, num_pos_examples):
+    """Adds prompt, input_ids and labels (both ending in EOS) to an example, within the length limits."""
+    # Tk-Instruct adds examples while the prompt fits; the prompt with the most examples that fits is the same thing
+    for k in range(min(num_pos_examples, len(example["positives"])), -1, -1):
+        prompt = build_prompt(example["definition"], example["positives"], example["input"], k)
+        input_ids = tokenizer.encode(prompt) + [eos_id]
+        if len(input_ids) <= max_input_length:
+            break
+    if len(input_ids) > max_input_length:
+        input_ids = input_ids[:max_input_length - 1] + [eos_id]
+        prompt = tokenizer.decode(input_ids[:-1])  # what the model sees, for predictions.jsonl
+    labels = tokenizer.encode(example["target"].strip())[:max_target_length - 1] + [eos_id]
+    return dict(example, prompt=prompt, input_ids=input_ids, labels=labels)
+
+
+def pad(sequences, value, multiple=8):
+    """(B, T) right-padded sequences, T rounded up to a multiple of 8: fewer distinct shapes, tensor-core friendly."""
+    length = -(-max(len(s) for s in sequences) // multiple) * multiple
+    out = torch.full((len(sequences), length), value, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def collate(examples, pad_id):
+    """(input_ids, labels, attention_mask): -100 on label padding so the loss ignores it."""
+    input_ids = pad([ex["input_ids"] for ex in examples], pad_id)
+    attention_mask = pad([[1] * len(ex["input_ids"]) for ex in examples], 0)
+    labels = pad([ex["labels"] for ex in examples], -100)
+    return input_ids, labels, attention_mask
+
+
+@lru_cache(maxsize=1)
+def rougeL_scorer():
+    from rouge_score import rouge_scorer
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+
+def rouge_l(prediction, references):
+    """Tk-Instruct's Rouge-L: rouge-score's F-measure with the Porter stemmer, best reference, times 100."""
+    scorer = rougeL_scorer()
+    return 100.0 * max(scorer.score(target=ref, prediction=prediction)["rougeL"].fmeasure for ref in references)
+
+
+def normalize_answer(text):
+    # SQuAD's normalization as Tk-Instruct uses it: lowercase, drop punctuation, collapse whitespace (articles stay)
+    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
+    return " ".join(text.split())
+
+
+def exact_match(prediction, references):
+    return 100.0 * max(normalize_answer(prediction) == normalize_answer(ref) for ref in references)
+
+
+def compute_metrics(records):
+    """Rouge-L and exact match averaged over all examples, as Tk-Instruct reports them, and per task."""
+    scores = [dict(task=r["task"], rougeL=rouge_l(r["prediction"], r["references"]),
+                   exact_match=exact_match(r["prediction"], r["references"])) for r in records]
+
+    def summary(rows):
+        return dict(rougeL=mean(row["rougeL"] for row in rows), exact_match=mean(row["exact_match"] for row in rows),
+                    num_examples=len(rows))
+    tasks = sorted({row["task"] for row in scores})
+    return dict(summary(scores), per_task={task: summary([row for row in scores if row["task"] == task])
+                                           for task in tasks})
+
+
+def load_model(init_from, dropout):
+    """(model, checkpoint or None) from a train.py/finetune.py checkpoint or a Hugging Face T5 name or folder."""
+    if init_from.endswith(".pt"):
+        ckpt = load_checkpoint(init_from)
+        return T5.from_checkpoint(ckpt, dropout=dropout), ckpt
+    return T5.from_pretrained(init_from, dropout=dropout), None
+
+
+@torch.no_grad()
+def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens, device, autocast, rank=0,
+                         world_size=1):
+    """Greedy predictions for this rank's share of the examples, as (index into examples, text) pairs."""
+    shard = sorted(range(rank, len(examples), world_size), key=lambda i: len(examples[i]["input_ids"]))
+    # sorted by length, a batch's prompts need little padding: less encoder compute wasted, on every rank alike
+    eos_id, pad_id = model.config.eos_token_id, model.config.pad_token_id
+    predictions = []
+    with tqdm(total=len(shard), desc="generating", unit="example", disable=rank != 0) as bar:
+        for start in range(0, len(shard), batch_size):
+            indices = shard[start:start + batch_size]
+            input_ids, _, attention_mask = collate([examples[i] for i in indices], pad_id)
+            with autocast():
+                generated = model.generate(input_ids.to(device), attention_mask.to(device), max_new_tokens)
+            for i, ids in zip(indices, generated.tolist()):
+                ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
+                predictions.append((i, tokenizer.decode(ids)))
+            bar.update(len(indices))
+    return predictions
+
+
+# -----------------------------------------------------------------------------
+if __name__ == "__main__":
+    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    rt = setup_runtime(device, dtype, seed)
+    micro_batch_size = rt.micro_batch_size(batch_size, grad_accum_steps)
+
+    # the model, and the tokenizer it was pre-trained with: ours from the checkpoint's meta, T5's for Hub weights
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    resuming = init_from == "resume"
+    model, ckpt = load_model(ckpt_path if resuming else init_from, dropout)
+    meta = ckpt["meta"] if ckpt is not None else None
+    spiece = os.path.join(init_from, "spiece.model")  # Hub folders usually carry it; t5-v1_1 and flan-t5 share one
+    if meta is not None:
+        tokenizer = load_tokenizer(meta)
+    else:
+        tokenizer = SentencePieceTokenizer(spiece if os.path.isfile(spiece) else t5_spiece())
+    print0(f"{model.num_params() / 1e6:.1f}M parameters from {init_from}")
+
+    def tokenized_split(split):
+        return [tokenize_example(ex, tokenizer, model.config.eos_token_id, max_input_length, max_target_length,
+                                 num_pos_examples)
+                for ex in load_split(data_dir, split, max_num_instances_per_task, seed)]
+    test_examples = tokenized_split("test")
+    train_examples = [] if eval_only else tokenized_split("train")
+    # an id past the embedding table would fail deep in a CUDA kernel; here it names the mismatch
+    top_id = max(max(ex["input_ids"] + ex["labels"]) for ex in train_examples + test_examples)
+    if top_id >= model.config.vocab_size:
+        raise UserError(f"the tokenizer makes id {top_id} but the model has vocab_size {model.config.vocab_size}: "
+                        f"{init_from} was not trained with this tokenizer")
+    print0(f"{len(train_examples):,} train and {len(test_examples):,} test examples")
+
+    model.to(rt.device)
+    step = ckpt["step"] if resuming else 0  # optimizer steps done
+    elapsed = ckpt["elapsed"] if resuming else 0.0
+    steps_per_epoch = len(train_examples) // batch_size
+    max_steps = epochs * steps_per_epoch
+    if not eval_only and not steps_per_epoch:
+        raise UserError(f"{len(train_examples)} train examples make no full batch of {batch_size}: "
+                        f"lower batch_size or raise max_num_instances_per_task")
+    if not eval_only:
+        opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr)
+        if resuming:
+            opt.load_state_dict(ckpt["optimizer"])
+            restore_rng(ckpt)
+    ckpt = None  # free the checkpoint's copy of the weights
+    ddp_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp else model
+    logger = Logger(out_dir, rt.master, resume_step=step if resuming else None, wandb_log=wandb_log,
+                    wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
+    stop = StopSignal()
+
+    def micro_batches(step):
+        """get_batch for train_step: this rank's share of the batch of `step`, one micro step at a time"""
+        epoch, i = divmod(step, steps_per_epoch)
+        # a new shuffle each epoch, a pure function of (seed, epoch): a resumed run sees the batches it would have
+        order = torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(seed + epoch))
+        batch = order[i * batch_size:(i + 1) * batch_size].tolist()
+
+        def get_batch(micro_step):
+            first = (micro_step * rt.world_size + rt.rank) * micro_batch_size
+            examples = [train_examples[j] for j in batch[first:first + micro_batch_size]]
+            return tuple(t.to(rt.device) for t in collate(examples, model.config.pad_token_id))
+        return get_batch
+
+    def save():
+        if rt.master:
+            save_checkpoint(ckpt_path, checkpoint_state(ddp_model, opt, step, elapsed, config, meta))
+
+    model.train()
+    t_log, steps_since_log = time.time(), 0
+    while not eval_only and step < max_steps:
+        t0 = time.time()
+        loss, grad_norm = train_step(ddp_model, opt, micro_batches(step), grad_accum_steps, lr, grad_clip, 0.0,
+                                     rt.autocast, rt.ddp)
+        step += 1
+        elapsed += time.time() - t0
+        steps_since_log += 1
+        if step % log_interval == 0 or step == max_steps:
+            dt = (time.time() - t_log) / steps_since_log  # the loss is rank 0's share of the batch, as nanoGPT logs
+            t_log, steps_since_log = time.time(), 0
+            logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss.item(), "lr": lr,
+                        "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt, "elapsed": elapsed})
+            print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | loss {loss.item():.4f} | "
+                   f"grad norm {grad_norm.item():.3f} | {1000 * dt:.0f} ms/step | "
+                   f"eta {(max_steps - step) * dt / 3600:.2f} h")
+        stopping = stop.agreed(rt)
+        if stopping or step % checkpoint_interval == 0 or step == max_steps:
+            save()
+        if stopping:
+            break
+
+    stop.release()  # from here on a signal ends the program at once: no training step is coming
+    if step < max_steps:
+        print0(f"stopped by signal at step {step}; continue with --init_from=resume --out_dir={out_dir}")
+    else:
+        model.eval()
+        predictions = generate_predictions(model, test_examples, tokenizer, eval_batch_size, max_new_tokens,
+                                           rt.device, rt.autocast, rt.rank, rt.world_size)
+        if rt.ddp:
+            shards = [None] * rt.world_size
+            torch.distributed.all_gather_object(shards, predictions)
+            predictions = [p for shard in shards for p in shard]
+        if rt.master:
+            texts = dict(predictions)
+            records = [dict(task=ex["task"], id=ex["id"], prompt=ex["prompt"], prediction=texts[i],
+                            references=ex["references"]) for i, ex in enumerate(test_examples)]
+            metrics = dict(compute_metrics(records), step=step, init_from=init_from)
+            # written aside and renamed into place, so a killed run never leaves half a file under these names
+            with atomic_write(os.path.join(out_dir, "predictions.jsonl"), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+            with atomic_write(os.path.join(out_dir, "metrics.json"), "w") as f:
+                json.dump(metrics, f, indent=2)
+            logger.log({"step": step, "rougeL": metrics["rougeL"], "exact_match": metrics["exact_match"]})
+            print0(f"step {step}: Rouge-L {metrics['rougeL']:.2f} | exact match {metrics['exact_match']:.2f} on "
+                   f"{metrics['num_examples']:,} test examples of {len(metrics['per_task'])} tasks; "
+                   f"predictions in {out_dir}/predictions.jsonl")
+
+    if rt.ddp:
+        torch.distributed.destroy_process_group()

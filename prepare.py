@@ -1,0 +1,662 @@
+"""
+Turns a text corpus into uint16 token shards for T5 pre-training, and reads them back as span-corrupted batches.
+    python prepare.py                                               # C4 en, streamed, T5's tokenizer
+    python prepare.py --dataset=c4 --max_train_tokens=4_800_000_000 # just what nanoT5's recipe consumes
+    python prepare.py --dataset=my_corpus.jsonl.gz --tokenizer=train --vocab_size=16000 --out_dir=data/mine
+    python prepare.py --dataset=pydoc --tokenizer=train --vocab_size=4000 --out_dir=data/pydoc  # offline
+out_dir gets train_000.bin, train_001.bin, ... (shard_tokens uint16 ids each, the last one shorter), val.bin, the
+tokenizer model and meta.json. Every document ends with EOS. Killed runs continue where they stopped when the same
+command is run again: finished shards are kept, everything else is only ever written under a .tmp name.
+train.py imports the rest: compute_input_and_target_lengths, span_corrupt and SpanCorruptionBatches, a batch
+stream whose global batch at step k is a pure function of (seed, k).
+"""
+import itertools
+import json
+import math
+import os
+import signal
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from model import UserError, atomic_write
+
+# -----------------------------------------------------------------------------------------------------------------
+# default config for `python prepare.py`; --key=value overrides any of these
+dataset = "c4"  # 'c4', a Hub dataset name, a local .txt/.jsonl/.json(.gz)/.parquet file, or 'pydoc' (offline)
+text_field = "text"
+tokenizer = "t5"  # 't5', a local sentencepiece .model file, 'gpt2', or 'train' (a new sentencepiece model)
+vocab_size = 32000  # pieces of the trained model, for tokenizer='train'
+out_dir = "data/c4"
+max_train_tokens = 0  # stop after this many train tokens; 0 = the whole dataset
+num_proc = os.cpu_count()
+shard_tokens = 100_000_000  # 200 MB per shard
+val_fraction = 0.005  # documents held out of a dataset that has no validation split
+max_val_tokens = 10_000_000
+# -----------------------------------------------------------------------------------------------------------------
+
+NUM_SENTINELS = 100
+LOCAL_EXTENSIONS = (".txt", ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".txt.gz", ".parquet")
+OFFLINE_OPTIONS = "use --dataset=pydoc (offline corpus) or a local .txt/.jsonl/.json(.gz)/.parquet file"
+
+# -----------------------------------------------------------------------------------------------------------------
+# span corruption, exactly as T5's random_spans_noise_mask + noise_span_to_unique_sentinel
+
+
+def _noise_counts(length, noise_density, mean_noise_span_length):
+    # at least one noise and one kept token; as many noise spans as kept spans so that they can alternate
+    num_noise = min(max(round(length * noise_density), 1), length - 1)
+    num_spans = max(1, round(min(num_noise, length - num_noise) / mean_noise_span_length))
+    return num_noise, num_spans
+
+
+def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
+    """The longest raw window whose corrupted inputs fit in inputs_length, and its targets length (T5's
+    random_spans_helper): 512 -> (568, 114) at density 0.15, mean span 3."""
+    def corrupted_lengths(raw_length):
+        num_noise, num_spans = _noise_counts(raw_length, noise_density, mean_noise_span_length)
+        # inputs: kept tokens + one sentinel per span + EOS; targets: one sentinel per span + noise + EOS
+        return raw_length - num_noise + num_spans + 1, num_noise + num_spans + 1
+
+    raw_length = inputs_length - 1
+    while corrupted_lengths(raw_length + 1)[0] <= inputs_length:
+        raw_length += 1
+    return raw_length, corrupted_lengths(raw_length)[1]
+
+
+def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rng):
+    """tokens (B, L) ints -> (inputs, targets) int64 arrays. Each row gets its own random noise mask; the noise spans
+    become sentinels first_sentinel_id, first_sentinel_id - 1, ... in the inputs, and the targets are each sentinel
+    followed by the tokens it replaced. Both end with EOS."""
+    B, L = tokens.shape
+    num_noise, num_spans = _noise_counts(L, noise_density, mean_noise_span_length)
+
+    def segment_lengths(num_items):
+        # split num_items into num_spans non-empty segments uniformly at random, like T5's shuffle: segment 0 starts
+        # at item 0, the other starts are a random (num_spans - 1)-subset of items 1..num_items-1, here the items
+        # with the smallest of iid uniform keys
+        starts = np.zeros((B, 1), dtype=np.int64)
+        if num_spans > 1:
+            keys = rng.random((B, num_items - 1))
+            subset = np.argpartition(keys, num_spans - 2, axis=1)[:, : num_spans - 1] + 1
+            starts = np.concatenate([starts, np.sort(subset, axis=1)], axis=1)
+        return np.diff(starts, axis=1, append=num_items)  # (B, num_spans)
+
+    # kept, noise, kept, noise, ...: every row starts with kept tokens and ends with noise
+    lengths = np.stack([segment_lengths(L - num_noise), segment_lengths(num_noise)], axis=2).reshape(B, 2 * num_spans)
+    span_start = np.zeros((B, L), dtype=np.int32)
+    np.put_along_axis(span_start, np.cumsum(lengths, axis=1)[:, :-1], 1, axis=1)
+    # (int32: numpy's int64 cumsum along rows is ~10x slower)
+    span_num = np.cumsum(span_start, axis=1, dtype=np.int32)  # (B, L): 2k in kept span k, 2k + 1 in noise span k
+    is_noise = span_num % 2 == 1
+    span_start[:, 0] = 1
+
+    # kept span k is followed by noise span k, so both are named by the same sentinel
+    sentinel = first_sentinel_id - span_num // 2
+    tokens = tokens.astype(np.int64)
+    eos = np.full((B, 1), eos_id, dtype=np.int64)
+    # inputs: kept tokens, and one sentinel in place of each noise span; targets: the reverse
+    inputs = np.where(is_noise, sentinel, tokens)[~is_noise | (span_start == 1)].reshape(B, L - num_noise + num_spans)
+    targets = np.where(is_noise, tokens, sentinel)[is_noise | (span_start == 1)].reshape(B, num_noise + num_spans)
+    return np.concatenate([inputs, eos], axis=1), np.concatenate([targets, eos], axis=1)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# tokenizers: sentencepiece (T5's or a new one) or GPT-2's BPE, each with 100 sentinels appended to its vocab
+
+
+class _Tokenizer:
+    """encode(str) -> ids, encode_batch(list of str, add_eos=False), decode(ids) -> str with <extra_id_i> sentinels."""
+
+    def encode(self, text):
+        return self.encode_batch([text])[0]
+
+    def decode(self, ids):
+        # sentinels are not in the underlying vocab, so decode the runs between them and spell them out
+        text, run = [], []
+        for i in ids:
+            i = int(i)
+            if i > self.first_sentinel_id - NUM_SENTINELS and i <= self.first_sentinel_id:
+                text.append(self._decode_pieces(run) + f"<extra_id_{self.first_sentinel_id - i}>")
+                run = []
+            elif i != self.pad_id and i < self.vocab_size:  # the model's vocab is padded past the tokenizer's
+                run.append(i)
+        return "".join(text) + self._decode_pieces(run)
+
+
+class SentencePieceTokenizer(_Tokenizer):
+    """T5's convention: pad 0, eos 1, unk 2, and <extra_id_i> = pieces + 99 - i (32099 - i for T5's 32000 pieces)."""
+
+    def __init__(self, model_file):
+        import sentencepiece as spm
+        self.model_file = model_file
+        self.sp = spm.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self.sp.get_piece_size() + NUM_SENTINELS
+        self.eos_id, self.pad_id = self.sp.eos_id(), self.sp.pad_id()
+        self.first_sentinel_id = self.vocab_size - 1
+
+    def encode_batch(self, texts, add_eos=False):
+        return self.sp.encode(texts, add_eos=add_eos, num_threads=1)  # the parallelism is prepare's processes
+
+    def _decode_pieces(self, ids):
+        return self.sp.decode(ids)
+
+
+class Gpt2Tokenizer(_Tokenizer):
+    """tiktoken's GPT-2 BPE: eos is <|endoftext|> 50256, <extra_id_i> = 50356 - i, and pad is one more id, 50357."""
+
+    def __init__(self):
+        import tiktoken
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except OSError as e:
+            raise UserError(f"tiktoken could not download GPT-2's BPE files ({type(e).__name__}); offline, use "
+                            f"--tokenizer=train or a local sentencepiece .model file") from None
+        self.model_file = None
+        self.eos_id = self.enc.eot_token
+        self.first_sentinel_id = self.enc.n_vocab + NUM_SENTINELS - 1
+        self.pad_id = self.first_sentinel_id + 1
+        self.vocab_size = self.pad_id + 1
+
+    def encode_batch(self, texts, add_eos=False):
+        # ordinary: text that happens to contain "<|endoftext|>" is just text
+        ids = self.enc.encode_ordinary_batch(texts, num_threads=1)
+        return [x + [self.eos_id] for x in ids] if add_eos else ids
+
+    def _decode_pieces(self, ids):
+        return self.enc.decode(ids)
+
+
+def _make_tokenizer(model_file):
+    return SentencePieceTokenizer(model_file) if model_file else Gpt2Tokenizer()
+
+
+def _hub_check(repo_id, repo_type, hint=OFFLINE_OPTIONS):
+    """Fail in seconds, not after minutes of retries, when the Hub can't be reached or has no such repo."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"HF_HUB_OFFLINE is set, so {repo_id} can't be downloaded: {hint}")
+    try:
+        HfApi().repo_info(repo_id, repo_type=repo_type, timeout=3)
+    except RepositoryNotFoundError:
+        raise UserError(f"no {repo_type} named '{repo_id}' on the Hugging Face Hub (or it is private): check the "
+                        f"name, or {hint}") from None
+    except Exception as e:  # the http client's own connection and timeout errors
+        raise UserError(f"can't reach the Hugging Face Hub for {repo_id} ({type(e).__name__}), are you offline? "
+                        f"{hint}") from None
+
+
+def t5_spiece():
+    """T5 v1.1's sentencepiece model (shared by t5-v1_1, flan-t5 and nanoT5), from the Hub cache or the Hub."""
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download("google/t5-v1_1-base", "spiece.model", local_files_only=True)
+    except FileNotFoundError:  # not cached yet
+        _hub_check("google/t5-v1_1-base", "model", "pass a local copy of T5's spiece.model instead")
+        return hf_hub_download("google/t5-v1_1-base", "spiece.model")
+
+
+def _train_spiece(texts, vocab_size, max_chars=20_000_000):
+    """A unigram sentencepiece model with T5's special ids, trained on the first max_chars characters of texts."""
+    import io
+    import sentencepiece as spm
+
+    def lines():
+        chars = 0
+        for text in texts:
+            for line in text.splitlines():
+                if line.strip():
+                    yield line
+                    chars += len(line)
+            if chars >= max_chars:
+                return
+
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=lines(), model_writer=model, vocab_size=vocab_size,
+                                       model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                       num_threads=8, minloglevel=2)  # fixed: the model depends on it
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to a value <= 3012."
+        reason = str(e).split("] ")[-1].rstrip(".")
+        raise UserError(f"sentencepiece training failed: {reason}; adjust --vocab_size") from None
+    return model.getvalue()
+
+
+def load_meta(data_dir):
+    """meta.json of a prepared folder, plus 'data_dir' (where the tokenizer model sits)."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{data_dir} holds no prepared data (no meta.json): run e.g. `python prepare.py "
+                        f"--dataset=c4 --out_dir={data_dir}` or `python prepare.py --dataset=pydoc --tokenizer=train "
+                        f"--vocab_size=4000 --out_dir={data_dir}`")
+    with open(path) as f:
+        meta = json.load(f)
+    meta["data_dir"] = os.path.abspath(data_dir)
+    return meta
+
+
+def load_tokenizer(meta_or_data_dir):
+    """The tokenizer of a prepared folder, from its path or its meta dict (as train.py stores it in checkpoints)."""
+    meta = load_meta(meta_or_data_dir) if isinstance(meta_or_data_dir, str) else meta_or_data_dir
+    model_file = meta["tokenizer_file"] and os.path.join(meta["data_dir"], meta["tokenizer_file"])
+    if model_file and not os.path.isfile(model_file):
+        raise UserError(f"tokenizer model {model_file} is missing: re-run prepare.py for {meta['data_dir']}")
+    return _make_tokenizer(model_file)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# sources: every one is an iterator of document strings, the same ones in the same order on every run
+
+
+def pydoc_documents():
+    """Python's own documentation, ~2 MB of English that needs no download: the pydoc topics (the language
+    reference), then for each standard-library module its docstring and those of its classes and functions."""
+    import ast
+    import sysconfig
+    import pydoc_data.topics
+    for name in sorted(pydoc_data.topics.topics):
+        yield pydoc_data.topics.topics[name]
+    root = sysconfig.get_paths()["stdlib"]
+    for folder, subfolders, files in os.walk(root):
+        # the test suites' docstrings are mostly one-line "Test that ..." notes
+        subfolders[:] = sorted(d for d in subfolders if d not in ("site-packages", "test", "tests", "__pycache__"))
+        for file in sorted(files):
+            if not file.endswith(".py"):
+                continue
+            try:
+                with open(os.path.join(folder, file), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, ValueError):  # lib2to3's deliberately broken test data
+                continue
+            docstrings = [ast.get_docstring(node) for node in ast.walk(tree) if isinstance(
+                node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+            yield "\n\n".join(d for d in docstrings if d)
+
+
+def _local_split(path, text_field):
+    import datasets
+    name = os.path.basename(path).lower()
+    if name.endswith((".txt", ".txt.gz")):
+        # documents are paragraphs, separated by blank lines
+        return datasets.load_dataset("text", data_files=path, split="train", streaming=True, sample_by="paragraph")
+    builder = "parquet" if name.endswith(".parquet") else "json"
+    return datasets.load_dataset(builder, data_files=path, split="train", streaming=True)
+
+
+def _texts(split, text_field, source):
+    # batches of rows are ~6x faster to read than one dict per row
+    for batch in split.iter(batch_size=1000):
+        if text_field not in batch:
+            raise UserError(f"{source} has no '{text_field}' field (it has {', '.join(batch)}): set --text_field")
+        for text in batch[text_field]:
+            text = text.strip()
+            if text:
+                yield text
+
+
+def documents(dataset, split, text_field="text", val_fraction=0.005):
+    """The documents of split 'train' or 'val'. Sources without a validation split hold out every
+    round(1 / val_fraction)-th document, starting with the first, so that even a small file has a val set."""
+    name = dataset.lower()
+    if name == "pydoc":
+        docs = (d for d in pydoc_documents() if d.strip())
+        val_fraction = max(val_fraction, 0.05)  # a small corpus: 0.5% would be a val set of 4 documents
+    elif name.endswith(LOCAL_EXTENSIONS) or os.path.isfile(dataset):
+        if not os.path.isfile(dataset):
+            raise UserError(f"input file {dataset} not found (datasets are 'c4', a Hub name, 'pydoc' or a local "
+                            f"{'/'.join(LOCAL_EXTENSIONS)} file)")
+        docs = _texts(_local_split(dataset, text_field), text_field, dataset)
+    else:
+        import datasets
+        repo_id, config_name = ("allenai/c4", "en") if name == "c4" else (dataset, None)
+        _hub_check(repo_id, "dataset")
+        splits = datasets.load_dataset(repo_id, config_name, streaming=True)
+        if "validation" in splits:
+            return _texts(splits["train" if split == "train" else "validation"], text_field, dataset)
+        docs = _texts(splits["train"], text_field, dataset)
+    every = max(2, round(1 / val_fraction))
+    return (d for i, d in enumerate(docs) if (i % every == 0) == (split == "val"))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# tokenising in parallel, in order
+
+
+def _chunks(docs, chunk_chars=1 << 20):
+    # big chunks amortise the inter-process traffic; a million characters is ~0.3 s of encoding
+    chunk, chars = [], 0
+    for doc in docs:
+        chunk.append(doc)
+        chars += len(doc)
+        if chars >= chunk_chars:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(model_file, pool_worker=True):
+    global _worker_tokenizer
+    if pool_worker:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle, once
+    _worker_tokenizer = _make_tokenizer(model_file)
+
+
+def _encode_chunk(texts):
+    """texts -> (uint16 ids of all of them, each followed by EOS; each document's length)"""
+    tok = _worker_tokenizer
+    ids = tok.encode_batch(texts, add_eos=True)
+    lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
+    if len(flat) and (flat.min() < 0 or flat.max() >= min(tok.vocab_size, 1 << 16)):
+        raise UserError(f"the tokenizer produced id {flat.max()}, outside its vocab of {tok.vocab_size} or uint16")
+    return flat.astype(np.uint16), lengths
+
+
+def encoded_chunks(docs, model_file, num_proc):
+    """(ids, document lengths) for chunks of docs, in order, with at most 2 chunks per worker in flight so that a
+    streamed dataset is never read far ahead."""
+    if num_proc <= 1:
+        _init_worker(model_file, pool_worker=False)
+        yield from map(_encode_chunk, _chunks(docs))
+        return
+    import multiprocessing
+    with multiprocessing.Pool(num_proc, _init_worker, (model_file,)) as pool:
+        pending = deque()
+        for chunk in _chunks(docs):
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# prepare
+
+
+def _commit(f, path):
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+    os.replace(f.name, path)
+
+
+def _write_json(path, obj):
+    with atomic_write(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+class _Progress:
+    """A tqdm bar in tokens/s with docs/s beside it."""
+
+    def __init__(self, desc, total, initial=0):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
+        self.docs, self.t0 = 0, time.time()
+
+    def update(self, tokens, docs):
+        self.docs += docs
+        self.bar.set_postfix_str(f"{self.docs / max(time.time() - self.t0, 1e-9):,.0f} docs/s", refresh=False)
+        self.bar.update(tokens)
+
+    def close(self):
+        self.bar.close()
+
+
+def _write_val(docs, model_file, num_proc, path, max_tokens):
+    tokens = num_docs = 0
+    bar = _Progress("val", None)
+    with atomic_write(path) as f:
+        for ids, lengths in encoded_chunks(docs, model_file, num_proc):
+            ids = ids[: max_tokens - tokens]
+            f.write(ids.tobytes())
+            tokens += len(ids)
+            num_docs += int(np.sum(np.cumsum(lengths) - lengths < len(ids)))  # those with a token in val.bin
+            bar.update(len(ids), len(lengths))
+            if tokens >= max_tokens:
+                break
+    bar.close()
+    return {"tokens": tokens, "documents": num_docs}
+
+
+def _write_train(docs, model_file, num_proc, out_dir, state, shard_tokens, max_tokens, save_state):
+    """Fill train_NNN.bin shards from the document stream. state['shards'] lists the finished ones, each with the
+    position its successor starts at (a document index and a token offset into that document), so that a rerun
+    re-tokenises from exactly there."""
+    shards = state["shards"]
+    next_doc, offset = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
+    done = sum(s["tokens"] for s in shards)
+    if done >= max_tokens or (shards and shards[-1]["tokens"] < shard_tokens):
+        return  # finished before: the last shard is short only at the end of the data
+    bar = _Progress("train", max_tokens if max_tokens < float("inf") else None, initial=done)
+    shard = filled = None  # the open .tmp file of the shard being written, and its tokens so far
+    chunks = encoded_chunks(itertools.islice(docs, next_doc, None), model_file, num_proc)
+    chunk_doc = next_doc  # index of the current chunk's first document
+
+    def finish_shard(next_doc, next_offset):
+        _commit(shard, os.path.join(out_dir, f"train_{len(shards):03d}.bin"))
+        shards.append({"tokens": filled, "next_doc": next_doc, "next_offset": next_offset})
+        save_state()
+
+    try:
+        for ids, lengths in chunks:
+            ends = np.cumsum(lengths)
+            pos = offset  # the first document's first `offset` tokens are already in the previous shard
+            offset = 0
+            while pos < len(ids) and done < max_tokens:
+                if shard is None:
+                    shard, filled = open(os.path.join(out_dir, f"train_{len(shards):03d}.bin.tmp"), "wb"), 0
+                n = int(min(len(ids) - pos, shard_tokens - filled, max_tokens - done))
+                shard.write(ids[pos: pos + n].tobytes())
+                pos, filled, done = pos + n, filled + n, done + n
+                if filled == shard_tokens or done == max_tokens:
+                    j = int(np.searchsorted(ends, pos, side="right"))  # the document the next shard starts in
+                    finish_shard(chunk_doc + j, int(pos - (ends[j - 1] if j else 0)))
+                    shard = None
+            bar.update(len(ids), len(lengths))
+            chunk_doc += len(lengths)
+            if done >= max_tokens:
+                break
+        if shard is not None:  # the data ran out: the last shard is short
+            finish_shard(chunk_doc, 0)
+    finally:
+        if shard is not None and not shard.closed:  # interrupted: drop the unfinished shard
+            shard.close()
+            os.remove(shard.name)
+        chunks.close()
+        bar.close()
+
+
+def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, max_train_tokens=None, num_proc=1,
+            text_field="text", shard_tokens=100_000_000, val_fraction=0.005, max_val_tokens=10_000_000):
+    """Tokenise dataset into out_dir (see the module docstring) and return its meta dict. A rerun with the same
+    arguments continues an interrupted run, or returns at once if out_dir is complete."""
+    settings = {"dataset": dataset, "text_field": text_field, "tokenizer": tokenizer,
+                "vocab_size": vocab_size if tokenizer == "train" else None,
+                "max_train_tokens": max_train_tokens or None, "shard_tokens": shard_tokens, "val_fraction": val_fraction, "max_val_tokens": max_val_tokens}
+    meta_path, state_path = os.path.join(out_dir, "meta.json"), os.path.join(out_dir, "progress.json")
+    for path in (meta_path, state_path):
+        if os.path.isfile(path):
+            with open(path) as f:
+                before = json.load(f)["settings"]
+            if before != settings:
+                changed = ", ".join(f"{k} {before.get(k)!r} -> {v!r}" for k, v in settings.items()
+                                    if before.get(k) != v)
+                raise UserError(f"{out_dir} was prepared with other settings ({changed}): use another --out_dir, "
+                                f"or delete it to start over")
+            if path == meta_path:
+                return load_meta(out_dir)
+    if tokenizer == "train" and not 0 < vocab_size <= (1 << 16) - NUM_SENTINELS:
+        raise UserError(f"vocab_size={vocab_size} must be in 1..{(1 << 16) - NUM_SENTINELS} so that ids fit uint16")
+    max_train_tokens = max_train_tokens or float("inf")
+
+    # fail on an empty or unreadable input before writing anything
+    try:
+        next(documents(dataset, "train", text_field, val_fraction))
+    except StopIteration:
+        raise UserError(f"{dataset} has no training documents (is it empty? documents are its non-empty "
+                        f"'{text_field}' values; local files also hold out one in {round(1 / val_fraction)} for val)")
+    os.makedirs(out_dir, exist_ok=True)
+    state = {"settings": settings, "val": None, "shards": []}
+    if os.path.isfile(state_path):
+        with open(state_path) as f:
+            state = json.load(f)
+        print(f"continuing in {out_dir}: {len(state['shards'])} train shards already done")
+
+    def save_state():
+        _write_json(state_path, state)
+
+    model_file = os.path.join(out_dir, "tokenizer.model")
+    if tokenizer == "gpt2":
+        model_file = None
+    elif not os.path.isfile(model_file):
+        if tokenizer == "train":
+            print(f"training a {vocab_size}-piece sentencepiece model on {dataset}")
+            spiece = _train_spiece(documents(dataset, "train", text_field, val_fraction), vocab_size)
+        else:
+            source = tokenizer if tokenizer != "t5" else t5_spiece()
+            if not os.path.isfile(source):
+                raise UserError(f"tokenizer '{tokenizer}' is not 't5', 'gpt2', 'train' or a sentencepiece "
+                                f".model file")
+            with open(source, "rb") as f:
+                spiece = f.read()
+        with atomic_write(model_file) as f:
+            f.write(spiece)
+    tok = _make_tokenizer(model_file)
+    if tok.vocab_size > 1 << 16:
+        raise UserError(f"the tokenizer's {tok.vocab_size} ids don't fit uint16: use one with at most "
+                        f"{(1 << 16) - NUM_SENTINELS} pieces")
+
+    if state["val"] is None:
+        state["val"] = _write_val(documents(dataset, "val", text_field, val_fraction), model_file, num_proc,
+                                  os.path.join(out_dir, "val.bin"), max_val_tokens)
+        save_state()
+    _write_train(documents(dataset, "train", text_field, val_fraction), model_file, num_proc, out_dir, state,
+                 shard_tokens, max_train_tokens, save_state)
+
+    shards = state["shards"]
+    meta = {"settings": settings, "source": dataset, "tokenizer": tokenizer,
+            "tokenizer_file": model_file and os.path.basename(model_file),
+            "vocab_size": tok.vocab_size, "model_vocab_size": math.ceil(tok.vocab_size / 128) * 128,
+            "eos_id": tok.eos_id, "pad_id": tok.pad_id, "first_sentinel_id": tok.first_sentinel_id,
+            "num_sentinels": NUM_SENTINELS, "train_shards": [f"train_{i:03d}.bin" for i in range(len(shards))],
+            "train_tokens": sum(s["tokens"] for s in shards), "val_tokens": state["val"]["tokens"],
+            "train_documents": shards[-1]["next_doc"] + (shards[-1]["next_offset"] > 0),
+            "val_documents": state["val"]["documents"]}
+    _write_json(meta_path, meta)  # last: its presence means the folder is complete
+    os.remove(state_path)
+    print(f"{out_dir}: {meta['train_tokens']:,} train tokens in {len(shards)} shards, {meta['val_tokens']:,} val "
+          f"tokens, vocab {meta['vocab_size']} (model {meta['model_vocab_size']})")
+    return load_meta(out_dir)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the batch stream
+
+
+class SpanCorruptionBatches:
+    """Span-corrupted batches of raw_length windows of a prepared folder. The global batch of optimizer step k is a
+    pure function of (seed, k): its windows come from a seeded permutation of all windows per epoch, its noise from
+    an rng seeded with (seed, k). Each micro-step and DDP rank takes its own slice, so resuming at step k, running
+    on more GPUs or changing grad_accum_steps changes nothing about the data. Validation uses the windows of val.bin
+    in order and noise that ignores the seed, so eval losses compare across runs."""
+
+    def __init__(self, data_dir, split, batch_size, input_length, noise_density, mean_noise_span_length, seed,
+                 vocab_size):
+        self.meta = load_meta(data_dir)
+        if vocab_size != self.meta["model_vocab_size"]:
+            raise UserError(f"{data_dir} was tokenised with '{self.meta['tokenizer']}' for a model vocab of "
+                            f"{self.meta['model_vocab_size']}, but the model's vocab_size is {vocab_size}: use "
+                            f"data prepared with the model's tokenizer")
+        self.split, self.batch_size, self.seed, self.vocab_size = split, batch_size, seed, vocab_size
+        self.input_length, self.noise_density, self.mean_noise_span_length = (
+            input_length, noise_density, mean_noise_span_length)
+        self.raw_length, self.targets_length = compute_input_and_target_lengths(
+            input_length, noise_density, mean_noise_span_length)
+        self.files = [os.path.join(data_dir, f) for f in (self.meta["train_shards"] if split == "train"
+                                                          else ["val.bin"])]
+        for path in self.files:
+            if not os.path.isfile(path):
+                raise UserError(f"{path} is missing: re-run prepare.py for {data_dir}")
+        self.shards = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.files]
+        # non-overlapping windows within each shard; the < raw_length tokens at each shard's end are dropped
+        windows = [len(s) // self.raw_length for s in self.shards]
+        self.num_windows = sum(windows)
+        if self.num_windows == 0:
+            raise UserError(f"the {split} data in {data_dir} has fewer than {self.raw_length} tokens, not one "
+                            f"window: prepare more data or lower input_length")
+        self.first_window = np.cumsum([0] + windows)  # of each shard
+        self._permutation = (None, None)  # (epoch, permutation of all windows)
+        self._batch = (None, None)  # (step, global batch): the micro-steps of a step share it
+        self._staging = None  # pinned host buffer for CUDA
+
+    def _windows(self, step):
+        sample = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+        if self.split != "train":
+            return sample % self.num_windows
+        windows = np.empty_like(sample)
+        epoch = sample // self.num_windows
+        for e in np.unique(epoch):  # a batch spans at most two epochs unless the data is tiny
+            if self._permutation[0] != e:
+                self._permutation = (e, np.random.default_rng([self.seed, 0, e]).permutation(self.num_windows))
+            windows[epoch == e] = self._permutation[1][sample[epoch == e] % self.num_windows]
+        return windows
+
+    def _global_batch(self, step):
+        windows = self._windows(step)
+        shard = np.searchsorted(self.first_window, windows, side="right") - 1
+        start = (windows - self.first_window[shard]) * self.raw_length
+        raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shard, start)])  # (B, raw_length)
+        top = int(raw.max())
+        if top >= self.vocab_size:
+            bad = self.files[shard[np.nonzero(raw.max(axis=1) == top)[0][0]]]
+            raise UserError(f"{bad} holds token id {top}, beyond the model's vocab_size {self.vocab_size}: the data "
+                            f"is corrupt or from another tokenizer; re-run prepare.py")
+        rng = np.random.default_rng([self.seed, 1, step] if self.split == "train" else [2, step])
+        inputs, targets = span_corrupt(raw, self.noise_density, self.mean_noise_span_length,
+                                       self.meta["first_sentinel_id"], self.meta["eos_id"], rng)
+        return np.concatenate([inputs, targets], axis=1)  # (B, input_length + targets_length)
+
+    def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
+        """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: slice micro_step *
+        world_size + rank of the global batch of `step`, b = batch_size / (grad_accum_steps * world_size)."""
+        b = self.batch_size // (grad_accum_steps * world_size)
+        if b * grad_accum_steps * world_size != self.batch_size:
+            raise UserError(f"batch_size={self.batch_size} must split evenly into grad_accum_steps="
+                            f"{grad_accum_steps} x {world_size} ranks")
+        if self._batch[0] != step:
+            self._batch = (step, self._global_batch(step))
+        i = (micro_step * world_size + rank) * b
+        rows = self._batch[1][i: i + b]
+        # one flat buffer holds both, so that a single copy moves them
+        flat = torch.from_numpy(np.concatenate([rows[:, : self.input_length].ravel(),
+                                                rows[:, self.input_length:].ravel()]))
+        device = torch.device(device)
+        if device.type == "cuda":
+            if self._staging is None or self._staging[0].shape != flat.shape:
+                self._staging = (torch.empty(flat.shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            else:
+                self._staging[1].synchronize()  # the previous copy out of the buffer must be done before refilling
+            self._staging[0].copy_(flat)
+            flat = self._staging[0].to(device, non_blocking=True)
+            self._staging[1].record()
+        n = b * self.input_length
+        return flat[:n].view(b, self.input_length), flat[n:].view(b, self.targets_length)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    try:
+        prepare(dataset, tokenizer, out_dir, vocab_size, max_train_tokens, num_proc, text_field, shard_tokens,
+                val_fraction, max_val_tokens)
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: finished shards are kept, run the same command again to continue")

@@ -1,0 +1,256 @@
+"""
+finetune.py on a made-up Super-Natural-Instructions clone: the task-file parser, Tk-Instruct's prompt to the byte,
+Rouge-L against the rouge-score package, and fine-tuning plus evaluation run end to end as a user runs them.
+"""
+import json
+import os
+import random
+import shutil
+import string
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from finetune import build_prompt, collate, compute_metrics, exact_match, load_split, rouge_l, tokenize_example
+from model import T5, T5Config, UserError, save_checkpoint
+from optim import checkpoint_state
+from prepare import prepare
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+WORDS = "red green blue cat dog bird tree river stone house road light water fire wind rain".split()
+
+
+def run(args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "finetune.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def make_task(definition, transform, num_instances, rng, extra_reference=False):
+    """A task in SNI's layout; its answers are `transform` of the input words."""
+    def pair():
+        words = rng.sample(WORDS, 4)
+        return " ".join(words), transform(words)
+    positives = [dict(zip(("input", "output"), pair()), explanation="because") for _ in range(3)]
+    instances = []
+    for i in range(num_instances):
+        text, answer = pair()
+        references = [answer, answer.upper()] if extra_reference else [answer]
+        instances.append({"id": f"inst-{i}", "input": text, "output": references})
+    return {"Contributors": ["test"], "Source": ["made up"], "Categories": ["Text Modification"],
+            "Definition": definition, "Positive Examples": positives, "Negative Examples": [], "Instances": instances}
+
+
+@pytest.fixture(scope="module")
+def sni_dir(tmp_path_factory):
+    """Two good train tasks (list and plain-string Definition), one broken train task, one test task."""
+    root = tmp_path_factory.mktemp("natural-instructions")
+    (root / "tasks").mkdir()
+    (root / "splits" / "default").mkdir(parents=True)
+    rng = random.Random(0)
+    tasks = {
+        "task001_copy": make_task(["Copy the input words."], " ".join, 12, rng, extra_reference=True),
+        "task002_reverse": make_task("Write the input words in reverse order", lambda w: " ".join(w[::-1]), 12, rng),
+        "task101_first_word": make_task(["Answer with the first word"], lambda w: w[0], 12, rng),
+    }
+    for instance in tasks["task002_reverse"]["Instances"]:
+        del instance["id"]  # older task files have no instance ids
+    for name, task in tasks.items():
+        (root / "tasks" / f"{name}.json").write_text(json.dumps(task, indent=4))
+    broken = make_task(["Lost its instances."], " ".join, 3, rng)
+    del broken["Instances"]
+    (root / "tasks" / "task003_broken.json").write_text(json.dumps(broken))
+    (root / "splits" / "default" / "train_tasks.txt").write_text("task001_copy\ntask003_broken\ntask002_reverse\n")
+    (root / "splits" / "default" / "test_tasks.txt").write_text("task101_first_word\n")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def ckpt_path(tmp_path_factory):
+    """A tiny randomly initialised T5 checkpoint in train.py's format, with a small sentencepiece tokenizer."""
+    root = tmp_path_factory.mktemp("pretrained")
+    rng = random.Random(1)
+    with open(root / "corpus.jsonl", "w") as f:
+        for _ in range(1000):
+            words = [rng.choice(WORDS) for _ in range(12)]
+            text = build_prompt("Copy the words in reverse order", [(" ".join(words[:4]), " ".join(words[3::-1]))],
+                                " ".join(words[4:8]), num_pos_examples=1) + " ".join(words[8:])
+            f.write(json.dumps({"text": text}) + "\n")
+    meta = prepare(dataset=str(root / "corpus.jsonl"), tokenizer="train", out_dir=str(root / "data"), vocab_size=64)
+    config = T5Config(vocab_size=meta["model_vocab_size"], d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                      num_decoder_layers=1, num_heads=2)
+    torch.manual_seed(0)
+    model = T5(config)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = str(root / "ckpt.pt")
+    save_checkpoint(path, checkpoint_state(model, optimizer, 0, 0.0, {}, meta))
+    return path
+
+
+def test_prompt_is_tk_instructs_to_the_byte():
+    positives = [("Bulgaria", "380"), ("What is it?", "  42!  "), ("never", "shown")]
+    assert build_prompt(" Return the barcode prefix ", positives, "Canada") == (
+        "Definition: Return the barcode prefix.\n\n"
+        " Positive Example 1 -\nInput: Bulgaria.\n Output: 380.\n\n"
+        " Positive Example 2 -\nInput: What is it?\n Output: 42!\n\n"
+        "Now complete the following example -\nInput: Canada.\nOutput: ")
+    assert build_prompt("Say it.", positives, "", num_pos_examples=0) == (
+        "Definition: Say it.\n\nNow complete the following example -\nInput: .\nOutput: ")
+
+
+def test_split_parsing(sni_dir, capsys):
+    train = load_split(sni_dir, "train", 10, seed=0)
+    assert "skipped 1 of 3 train task files" in capsys.readouterr().out
+    by_task = {name: [ex for ex in train if ex["task"] == name] for name in ("task001_copy", "task002_reverse")}
+    assert [len(exs) for exs in by_task.values()] == [10, 10] and len(train) == 20
+    # Definition as a list (current task files) and as a plain string (older ones)
+    assert by_task["task001_copy"][0]["definition"] == "Copy the input words."
+    assert by_task["task002_reverse"][0]["definition"] == "Write the input words in reverse order"
+    assert by_task["task001_copy"][0]["id"].startswith("inst-")
+    assert by_task["task002_reverse"][0]["id"].startswith("task002_reverse-")  # made from the instance's index
+    # several references: train on one of them, evaluate against all
+    copy = by_task["task001_copy"][0]
+    assert len(copy["references"]) == 2 and copy["target"] in copy["references"]
+    assert {ex["target"].isupper() for ex in by_task["task001_copy"]} == {True, False}
+
+    def ids(examples):
+        return [(ex["id"], ex["target"]) for ex in examples]
+    assert ids(load_split(sni_dir, "train", 10, seed=0)) == ids(train)  # the seed decides, nothing else
+    assert ids(load_split(sni_dir, "train", 10, seed=1)) != ids(train)
+    assert len(load_split(sni_dir, "test", 100, seed=0)) == 12
+
+
+def test_missing_data_dir_names_the_clone_command(tmp_path):
+    with pytest.raises(UserError, match="git clone https://github.com/allenai/natural-instructions"):
+        load_split(str(tmp_path / "natural-instructions"), "train", 100, seed=0)
+
+
+class CharTokenizer:
+    """One id per character, so lengths are easy to reason about."""
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_long_prompts_drop_examples_then_truncate():
+    example = dict(definition="Copy.", positives=[("a" * 40, "a" * 40), ("b" * 40, "b" * 40)], input="hello",
+                   target="x" * 50)
+    full = build_prompt("Copy.", example["positives"], "hello")
+    one = build_prompt("Copy.", example["positives"], "hello", num_pos_examples=1)
+    args = (CharTokenizer(), 1)  # EOS id 1
+    for limit, prompt in ((len(full) + 1, full), (len(full), one), (len(one) + 1, one)):
+        ex = tokenize_example(example, *args, max_input_length=limit, max_target_length=128, num_pos_examples=2)
+        assert ex["prompt"] == prompt and ex["input_ids"] == [ord(c) for c in prompt] + [1]
+    ex = tokenize_example(example, *args, max_input_length=20, max_target_length=8, num_pos_examples=2)
+    assert ex["prompt"] == "Definition: Copy.\n\n" and len(ex["input_ids"]) == 20 and ex["input_ids"][-1] == 1
+    assert ex["labels"] == [ord("x")] * 7 + [1]
+
+
+def test_collate_pads_to_a_multiple_of_8():
+    examples = [dict(input_ids=[5] * 9, labels=[6] * 3), dict(input_ids=[7] * 2, labels=[8] * 10)]
+    input_ids, labels, attention_mask = collate(examples, pad_id=0)
+    assert input_ids.shape == attention_mask.shape == (2, 16) and labels.shape == (2, 16)
+    assert attention_mask.sum(1).tolist() == [9, 2] and (input_ids == 0).sum().item() == 7 + 14
+    assert labels[0, 3:].eq(-100).all() and labels[1, :10].eq(8).all() and labels[1, 10:].eq(-100).all()
+
+
+def test_rouge_l_equals_rouge_score():
+    from rouge_score import rouge_scorer
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    cases = [("the cats are running home", ["a cat runs home"]),
+             ("police killed the gunman", ["the gunman police killed", "gunman was killed by police"]),
+             ("", ["anything"]),
+             ("Exactly this.", ["exactly this"])]
+    for prediction, references in cases:
+        expected = 100 * max(scorer.score(ref, prediction)["rougeL"].fmeasure for ref in references)
+        assert rouge_l(prediction, references) == pytest.approx(expected)
+    assert rouge_l("the cats are running", ["cat run"]) == pytest.approx(100 * 2 * 0.5 * 1 / 1.5)  # stemmer on
+    assert exact_match("The  Cat!", ["a dog", "the cat"]) == 100.0 and exact_match("a cat", ["the cat"]) == 0.0
+
+
+def test_metrics_average_examples_overall_and_per_task():
+    records = [dict(task="a", prediction="the cat sat", references=["the cat sat"]),
+               dict(task="a", prediction="a dog", references=["the cat sat", "dog"]),
+               dict(task="b", prediction="no", references=["yes"])]
+    metrics = compute_metrics(records)
+    dog = rouge_l("a dog", ["dog"])  # 2/3: precision 1/2, recall 1
+    assert dog == pytest.approx(100 * 2 / 3)
+    assert metrics["per_task"]["a"] == dict(rougeL=pytest.approx((100 + dog) / 2), exact_match=50.0, num_examples=2)
+    assert metrics["per_task"]["b"] == dict(rougeL=0.0, exact_match=0.0, num_examples=1)
+    # over all examples, as Tk-Instruct averages, not over the task means
+    assert metrics["rougeL"] == pytest.approx((100 + dog) / 3) and metrics["exact_match"] == pytest.approx(100 / 3)
+
+
+def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
+    out = str(tmp_path / "ft")
+    common = [f"--data_dir={sni_dir}", "--device=cpu", "--max_num_instances_per_task=10", "--max_new_tokens=8",
+              "--eval_batch_size=4"]
+    r = run([*common, f"--init_from={ckpt_path}", f"--out_dir={out}", "--batch_size=4", "--epochs=1", "--lr=1e-3",
+             "--log_interval=1"])
+    assert r.returncode == 0, r.stderr
+    assert "skipped 1 of 3 train task files" in r.stdout
+    with open(os.path.join(out, "log.jsonl")) as f:
+        losses = [rec["loss"] for rec in map(json.loads, f) if "loss" in rec]
+    assert len(losses) == 5  # 20 train examples / batch 4, one epoch
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 5
+
+    with open(os.path.join(out, "predictions.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 10 and {r["task"] for r in records} == {"task101_first_word"}
+    assert all(r["prompt"].startswith("Definition: Answer with the first word.\n\n Positive Example 1 -\n")
+               and r["prompt"].endswith("\nOutput: ") for r in records)
+
+    # the metrics again, straight from predictions.jsonl with rouge-score and Tk-Instruct's normalisation
+    from rouge_score import rouge_scorer
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+    def normalize(text):
+        return " ".join("".join(c for c in text.lower() if c not in string.punctuation).split())
+    rouge = [100 * max(scorer.score(ref, r["prediction"])["rougeL"].fmeasure for ref in r["references"])
+             for r in records]
+    em = [100.0 * any(normalize(r["prediction"]) == normalize(ref) for ref in r["references"]) for r in records]
+    with open(os.path.join(out, "metrics.json")) as f:
+        metrics = json.load(f)
+    assert metrics["rougeL"] == pytest.approx(sum(rouge) / 10)
+    assert metrics["exact_match"] == pytest.approx(sum(em) / 10)
+    assert metrics["per_task"]["task101_first_word"]["rougeL"] == pytest.approx(sum(rouge) / 10)
+    assert metrics["num_examples"] == 10 and metrics["step"] == 5
+
+    # the same weights in Hugging Face's layout, with the tokenizer as spiece.model beside them, evaluate the same
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    model = T5(T5Config(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    hf_dir = str(tmp_path / "hf")
+    model.save_pretrained(hf_dir)
+    shutil.copy(os.path.join(ckpt["meta"]["data_dir"], ckpt["meta"]["tokenizer_file"]), hf_dir + "/spiece.model")
+    again = str(tmp_path / "eval")
+    r = run([*common, f"--init_from={hf_dir}", f"--out_dir={again}", "--eval_only=True"])
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(again, "predictions.jsonl")) as f:
+        assert [json.loads(line) for line in f] == records
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data_dir=/nonexistent/natural-instructions"], "git clone https://github.com/allenai/natural-instructions"),
+    (["--init_from=/nonexistent/ckpt.pt"], "no checkpoint at /nonexistent/ckpt.pt"),
+])
+def test_bad_input_is_one_line(sni_dir, ckpt_path, args, message):
+    r = run([f"--data_dir={sni_dir}", f"--init_from={ckpt_path}", "--device=cpu", *args])
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_ids_past_the_model_vocab_are_caught_at_loading(sni_dir, ckpt_path, tmp_path):
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    small = T5(T5Config(**{**ckpt["model_config"], "vocab_size": 8}))
+    ckpt["model"], ckpt["model_config"]["vocab_size"] = small.state_dict(), 8
+    path = str(tmp_path / "small.pt")
+    save_checkpoint(path, ckpt)
+    r = run([f"--data_dir={sni_dir}", f"--init_from={path}", "--device=cpu", f"--out_dir={tmp_path}"])
+    assert r.returncode == 1 and "vocab_size 8" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -1,0 +1,307 @@
+"""Tests for model.py: parity with Hugging Face's T5 both ways, generation, buckets, presets, init, errors.
+Run: python -m pytest -q test_model.py (CPU, no network)."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import transformers
+
+from model import PRESETS, T5, T5Config, UserError, load_checkpoint, relative_position_bucket, save_checkpoint
+
+# small, but with everything that can go wrong: encoder/decoder depths differ, heads * d_kv != d_model,
+# and the tests use sequences longer than relative_attention_max_distance so the log buckets are exercised
+SMALL = dict(vocab_size=300, d_model=48, d_kv=20, d_ff=80, num_layers=3, num_decoder_layers=2, num_heads=3)
+
+
+def hf_config(tie_word_embeddings=False):
+    return transformers.T5Config(
+        vocab_size=300, d_model=48, d_kv=20, d_ff=80, num_layers=3, num_decoder_layers=2, num_heads=3,
+        feed_forward_proj="gated-gelu", dropout_rate=0.0, tie_word_embeddings=tie_word_embeddings,
+        decoder_start_token_id=0)
+
+
+def hf_model(tie_word_embeddings=False):
+    torch.manual_seed(1)
+    hf = transformers.T5ForConditionalGeneration(hf_config(tie_word_embeddings))
+    if not tie_word_embeddings:
+        # transformers 5.x ties lm_head to shared when building from a config: untie it by hand
+        hf.lm_head.weight = nn.Parameter(torch.randn(300, 48) * 48 ** -0.5)
+    with torch.no_grad():  # HF's init leaves some tables at zero; random values make the comparison stricter
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return hf.eval()
+
+
+def padded_batch(seed=0, B=3, S=150, T=140):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(2, 300, (B, S), generator=g)
+    attention_mask = torch.ones(B, S, dtype=torch.long)
+    attention_mask[1, 100:] = 0
+    attention_mask[2, 7:] = 0
+    input_ids[attention_mask == 0] = 0
+    labels = torch.randint(2, 300, (B, T), generator=g)
+    labels[1, 90:] = -100
+    return input_ids, attention_mask, labels
+
+
+def assert_same_outputs(ours, hf):
+    input_ids, attention_mask, labels = padded_batch()
+    with torch.no_grad():
+        logits, loss = ours(input_ids, labels=labels, attention_mask=attention_mask)
+        ref = hf(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    assert logits.shape == ref.logits.shape
+    assert (logits - ref.logits).abs().max().item() <= 1e-4
+    assert abs(loss.item() - ref.loss.item()) <= 1e-5
+
+
+# ---- relative position buckets ----
+
+def test_bucket_spot_checks():
+    rel = torch.arange(-200, 201, 50)
+    assert relative_position_bucket(rel, True, 32, 128).tolist() == [15, 15, 15, 13, 0, 29, 31, 31, 31]
+    rel = torch.tensor([5, 0, -1, -15, -16, -20, -127, -128, -1000])
+    assert relative_position_bucket(rel, False, 32, 128).tolist() == [0, 0, 1, 15, 16, 17, 31, 31, 31]
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_buckets_match_hf(bidirectional):
+    rel = torch.arange(-400, 400)
+    ref = transformers.models.t5.modeling_t5.T5Attention._relative_position_bucket(rel, bidirectional, 32, 128)
+    assert torch.equal(relative_position_bucket(rel, bidirectional, 32, 128), ref)
+
+
+# ---- parity with transformers ----
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_to_ours(tmp_path, tied):
+    hf = hf_model(tied)
+    hf.save_pretrained(tmp_path)
+    ours = T5.from_pretrained(str(tmp_path)).eval()
+    assert ours.config.tie_word_embeddings == tied
+    assert (ours.lm_head.weight is ours.shared.weight) == tied
+    assert_same_outputs(ours, hf)
+
+
+def test_hf_4x_style_config_untied(tmp_path):
+    # transformers 4.x configs say tie_word_embeddings=false and have no scale_decoder_outputs
+    hf = hf_model(False)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("scale_decoder_outputs", None)
+    config["tie_word_embeddings"] = False
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = T5.from_pretrained(str(tmp_path)).eval()
+    assert ours.config.output_scaling == 1.0
+    assert_same_outputs(ours, hf)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_ours_to_hf(tmp_path, tied):
+    torch.manual_seed(2)
+    ours = T5(T5Config(**SMALL, tie_word_embeddings=tied)).eval()
+    ours.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] == tied
+    hf, info = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert_same_outputs(ours, hf.eval())
+
+
+def test_from_pretrained_dropout_and_overrides(tmp_path):
+    T5(T5Config(**SMALL)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dropout_rate"] = 0.1  # what the v1.1 checkpoints say
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert T5.from_pretrained(str(tmp_path)).config.dropout == 0.1
+    overridden = T5.from_pretrained(str(tmp_path), dropout=0.0, eos_token_id=5).config
+    assert (overridden.dropout, overridden.eos_token_id, overridden.d_kv) == (0.0, 5, 20)
+
+
+def test_attention_projections_are_separate_parameters():
+    # AdamWScale and Adafactor scale updates by the RMS of each tensor: fusing q with k and v would change training
+    model = T5(T5Config(**SMALL))
+    names = {name for name, _ in model.named_parameters()}
+    for attn in ["encoder.blocks.0.attn", "decoder.blocks.1.self_attn", "decoder.blocks.1.cross_attn"]:
+        assert {f"{attn}.{p}.weight" for p in "qkvo"} <= names
+    assert not any("qkv" in name or ".kv." in name for name in names)
+    inner = SMALL["num_heads"] * SMALL["d_kv"]
+    assert all(p.shape[0] <= max(inner, SMALL["d_ff"], SMALL["vocab_size"]) for p in model.parameters())
+    attn = model.encoder.blocks[1].attn  # T5's init: q absorbs the 1/sqrt(d_kv) that attention leaves out
+    assert abs(attn.q.weight.std().item() - (48 * 20) ** -0.5) < 0.004
+    assert abs(attn.k.weight.std().item() - 48 ** -0.5) < 0.02
+    assert abs(attn.v.weight.std().item() - 48 ** -0.5) < 0.02
+
+
+# ---- generation ----
+
+def test_greedy_generate_matches_hf(tmp_path):
+    torch.manual_seed(3)
+    ours = T5(T5Config(**SMALL)).eval()
+    prompts, attention_mask, _ = padded_batch(seed=4, B=4, S=30)
+    attention_mask[3, 12:] = 0
+    prompts[attention_mask == 0] = 0
+    # a random model rarely says EOS: make EOS a token that row 0 greedily emits early, so rows stop at
+    # different steps and the padding after EOS is exercised
+    ours.config.eos_token_id = ours.generate(prompts, attention_mask, max_new_tokens=8)[0, 4].item()
+    ours.save_pretrained(tmp_path)
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    for rows in ([0, 1, 2, 3], [1], [2, 3]):
+        got = ours.generate(prompts[rows], attention_mask[rows], max_new_tokens=40)
+        ref = hf.generate(input_ids=prompts[rows], attention_mask=attention_mask[rows], max_new_tokens=40,
+                          do_sample=False, num_beams=1)
+        assert torch.equal(got, ref[:, 1:]), rows  # HF's output starts with the decoder start token
+    got = ours.generate(prompts[:1], attention_mask[:1], max_new_tokens=40)
+    assert got[0, -1].item() == ours.config.eos_token_id and got.size(1) == 5  # stops when every row is done
+
+
+def test_cached_generate_equals_recompute():
+    torch.manual_seed(5)
+    ours = T5(T5Config(**SMALL)).eval()
+    prompts, attention_mask, _ = padded_batch(seed=6, B=3, S=25)
+    got = ours.generate(prompts, attention_mask, max_new_tokens=20)
+    decoder_input_ids = torch.zeros(3, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(20):
+            logits, _ = ours(prompts, decoder_input_ids, attention_mask=attention_mask)
+            decoder_input_ids = torch.cat([decoder_input_ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, decoder_input_ids[:, 1:])
+
+
+def test_sampling_respects_top_k():
+    torch.manual_seed(7)
+    ours = T5(T5Config(**SMALL)).eval()
+    prompts = torch.randint(2, 300, (2, 10))
+    greedy = ours.generate(prompts, max_new_tokens=6)
+    top1 = ours.generate(prompts, max_new_tokens=6, temperature=1.0, top_k=1)
+    assert torch.equal(greedy, top1)
+    sampled = ours.generate(prompts, max_new_tokens=6, temperature=1.0)
+    assert sampled.shape == (2, 6) and sampled.dtype == torch.long
+
+
+# ---- presets, parameter count, init, training ----
+
+def test_base_param_count():
+    with torch.device("meta"):
+        model = T5(T5Config.from_preset("t5-v1_1-base"))
+    assert model.num_params() == 247_577_856
+
+
+def test_presets_and_unknown_preset():
+    assert set(PRESETS) >= {"t5-v1_1-small", "t5-v1_1-base", "t5-v1_1-large", "t5-v1_1-xl", "t5-v1_1-xxl", "t5-tiny"}
+    small = T5Config.from_preset("t5-v1_1-small", vocab_size=1000)
+    assert (small.d_model, small.d_ff, small.num_heads * small.d_kv, small.vocab_size) == (512, 1024, 384, 1000)
+    with pytest.raises(UserError, match="t5-v1_1-small"):
+        T5Config.from_preset("t5-v1_1-smal")
+
+
+def test_flops_per_step_counts_every_matmul():
+    with torch.device("meta"):
+        model = T5(T5Config.from_preset("t5-v1_1-small"))
+    c, S, T = model.config, 512, 114
+    n = model.num_params() - c.vocab_size * c.d_model  # all weights but the embedding lookup
+    flops = model.flops_per_step(4, S, T)
+    # weights alone, each over the tokens of its own stack, bound it from below; attention adds the rest
+    assert flops > 4 * 6 * (sum(p.numel() for p in model.encoder.parameters()) * S)
+    assert 4 * 6 * n * T < flops < 4 * 6 * n * S + 4 * 12 * 384 * 16 * S * S
+
+
+def test_fresh_base_init_loss_near_ln_vocab():
+    torch.manual_seed(8)
+    model = T5(T5Config.from_preset("t5-v1_1-base"))
+    input_ids, labels = torch.randint(2, 32128, (1, 16)), torch.randint(2, 32128, (1, 8))
+    with torch.no_grad():
+        _, loss = model(input_ids, labels=labels)
+    assert abs(loss.item() - math.log(32128)) < 1.0
+
+
+def test_tiny_model_overfits_one_batch():
+    torch.manual_seed(9)
+    model = T5(T5Config.from_preset("t5-tiny", vocab_size=512))
+    input_ids, labels = torch.randint(2, 512, (4, 32)), torch.randint(2, 512, (4, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        _, loss = model(input_ids, labels=labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0]
+
+
+def test_bf16_autocast_close_to_fp32():
+    torch.manual_seed(10)
+    model = T5(T5Config(**SMALL)).eval()
+    input_ids, attention_mask, labels = padded_batch()
+    with torch.no_grad():
+        _, loss = model(input_ids, labels=labels, attention_mask=attention_mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss_bf16 = model(input_ids, labels=labels, attention_mask=attention_mask)
+            generated = model.generate(input_ids[:, :20], attention_mask[:, :20], max_new_tokens=5)
+    assert loss_bf16.dtype == torch.float32 and abs(loss_bf16.item() - loss.item()) < 0.05
+    assert generated.shape == (3, 5)
+
+
+# ---- errors ----
+
+def test_bad_inputs_are_clear_errors():
+    model = T5(T5Config(**SMALL))
+    ids = torch.randint(2, 300, (2, 10))
+    with pytest.raises(UserError, match="input_ids must be a 2-D int64"):
+        model(ids.float(), labels=ids)
+    with pytest.raises(UserError, match="input_ids must be a 2-D int64"):
+        model(ids[0], labels=ids)
+    with pytest.raises(UserError, match="attention_mask has shape"):
+        model(ids, labels=ids, attention_mask=torch.ones(2, 9, dtype=torch.long))
+    with pytest.raises(UserError, match="decoder_input_ids or labels"):
+        model(ids)
+
+
+def test_unsupported_activation(tmp_path):
+    hf_config().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["feed_forward_proj"] = "relu"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="unsupported"):
+        T5.from_pretrained(str(tmp_path))
+
+
+def test_hub_id_fails_fast_offline(monkeypatch):
+    import time
+    import huggingface_hub.constants
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    start = time.time()
+    with pytest.raises(UserError, match="local folder"):
+        T5.from_pretrained("nanot5-test/no-such-model")
+    assert time.time() - start < 10
+    with pytest.raises(UserError, match="not a folder"):
+        T5.from_pretrained("./no/such/folder")
+
+
+def test_corrupt_weights(tmp_path):
+    T5(T5Config(**SMALL)).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(UserError, match="corrupt"):
+        T5.from_pretrained(str(tmp_path))
+    os.remove(weights)
+    with pytest.raises(UserError, match="no model.safetensors"):
+        T5.from_pretrained(str(tmp_path))
+
+
+def test_checkpoint_round_trip_and_errors(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"step": 3, "w": torch.arange(4)})
+    assert not os.path.exists(path + ".tmp")
+    state = load_checkpoint(path)
+    assert state["step"] == 3 and torch.equal(state["w"], torch.arange(4))
+    with open(path, "r+b") as f:
+        f.truncate(50)
+    with pytest.raises(UserError, match="corrupt"):
+        load_checkpoint(path)
+    with pytest.raises(UserError, match="no checkpoint"):
+        load_checkpoint(str(tmp_path / "missing.pt"))

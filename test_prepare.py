@@ -1,0 +1,379 @@
+"""Tests for prepare.py: span corruption, prepare (end to end, resume, bad input) and the batch stream. CPU only, no
+network: the data is a synthetic C4-style JSONL file and a sentencepiece model trained on it."""
+import functools
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import prepare as P
+from model import UserError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARD_TOKENS = 3000
+PIECES = 150
+
+
+def reference_span_corrupt(row, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rng):
+    """One example at a time, step by step as T5's random_spans_noise_mask describes it: the straightforward
+    version that span_corrupt must match in distribution (bench.py times the two against each other)."""
+    length = len(row)
+    num_noise = min(max(round(length * noise_density), 1), length - 1)
+    num_spans = max(1, round(min(num_noise, length - num_noise) / mean_noise_span_length))
+
+    def random_segmentation(num_items):
+        # shuffle num_spans - 1 segment starts among items 1..num_items-1; item 0 always starts a segment
+        is_start = [1] + list(rng.permutation([1] * (num_spans - 1) + [0] * (num_items - num_spans)))
+        lengths = []
+        for start in is_start:
+            if start:
+                lengths.append(0)
+            lengths[-1] += 1
+        return lengths
+
+    is_noise = []
+    for kept, noise in zip(random_segmentation(length - num_noise), random_segmentation(num_noise)):
+        is_noise += [False] * kept + [True] * noise
+    inputs, targets, sentinel = [], [], first_sentinel_id + 1
+    for i, token in enumerate(row):
+        if is_noise[i] and not is_noise[i - 1]:  # a noise span starts (position 0 is never noise)
+            sentinel -= 1
+            inputs.append(sentinel)
+            targets.append(sentinel)
+        (targets if is_noise[i] else inputs).append(int(token))
+    return inputs + [eos_id], targets + [eos_id]
+
+
+def uncorrupt(inputs, targets, first_sentinel_id):
+    """(the original row, which of its tokens were noise): each sentinel in the inputs replaced by the tokens after
+    it in the targets."""
+    assert inputs[-1] == targets[-1]  # both end with EOS
+    spans, current = {}, None
+    for t in targets[:-1]:
+        if first_sentinel_id - P.NUM_SENTINELS < t <= first_sentinel_id:
+            current = spans.setdefault(int(t), [])
+        else:
+            current.append(int(t))
+    row, is_noise = [], []
+    for t in inputs[:-1]:
+        span = spans.pop(int(t)) if first_sentinel_id - P.NUM_SENTINELS < t <= first_sentinel_id else None
+        row.extend([int(t)] if span is None else span)
+        is_noise.extend([False] if span is None else [True] * len(span))
+    assert not spans  # every target span was used
+    return row, np.array(is_noise)
+
+
+def rebuild(inputs, targets, first_sentinel_id):
+    return uncorrupt(inputs, targets, first_sentinel_id)[0]
+
+
+def span_lengths(row_is_noise):
+    """Lengths of the runs of kept and of noise tokens in a boolean row."""
+    change = np.flatnonzero(np.diff(row_is_noise.astype(int))) + 1
+    bounds = np.concatenate([[0], change, [len(row_is_noise)]])
+    runs, first = np.diff(bounds), row_is_noise[0]
+    return runs[int(first)::2], runs[int(not first)::2]  # kept, noise
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# span corruption
+
+
+@pytest.mark.parametrize("inputs_length,expected", [(512, (568, 114)), (128, (141, 29)), (1024, (1137, 229))])
+def test_input_and_target_lengths(inputs_length, expected):
+    assert P.compute_input_and_target_lengths(inputs_length, 0.15, 3.0) == expected
+
+
+@pytest.mark.parametrize("inputs_length,density,mean", [(512, 0.15, 3.0), (128, 0.15, 3.0), (64, 0.3, 2.0),
+                                                        (32, 0.5, 1.5), (16, 0.15, 3.0)])
+def test_span_corrupt_shapes_rebuild_and_counts(inputs_length, density, mean):
+    raw_length, targets_length = P.compute_input_and_target_lengths(inputs_length, density, mean)
+    tokens = np.random.default_rng(0).integers(3, 1000, (64, raw_length)).astype(np.uint16)
+    inputs, targets = P.span_corrupt(tokens, density, mean, 32099, 1, np.random.default_rng(1))
+    assert inputs.shape == (64, inputs_length) and targets.shape == (64, targets_length)
+    assert inputs.dtype == np.int64 and targets.dtype == np.int64
+    num_noise = min(max(round(raw_length * density), 1), raw_length - 1)
+    num_spans = max(1, round(min(num_noise, raw_length - num_noise) / mean))
+    for row, x, y in zip(tokens, inputs, targets):
+        assert rebuild(x, y, 32099) == row.tolist()
+        assert x[-1] == y[-1] == 1
+        sentinels = x[x > 1000]
+        assert sentinels.tolist() == list(range(32099, 32099 - num_spans, -1))  # counting down, in span order
+        assert y[y > 1000].tolist() == sentinels.tolist()
+        assert len(y) - 1 - num_spans == num_noise
+        kept, noise = span_lengths(uncorrupt(x, y, 32099)[1])
+        assert len(kept) == len(noise) == num_spans and noise.sum() == num_noise
+        assert x[0] < 1000  # rows start with kept tokens
+
+
+def test_span_corrupt_matches_reference_distribution():
+    # not the same random draws, so compare the distributions over many rows
+    rows, length = 3000, 141
+    tokens = np.random.default_rng(0).integers(3, 1000, (rows, length))
+    inputs, targets = P.span_corrupt(tokens, 0.15, 3.0, 32099, 1, np.random.default_rng(1))
+    rng = np.random.default_rng(2)
+    reference = [reference_span_corrupt(r, 0.15, 3.0, 32099, 1, rng) for r in tokens]
+    assert rebuild(*reference[0], 32099) == tokens[0].tolist()
+
+    def stats(pairs):
+        masks = np.stack([uncorrupt(np.array(x), np.array(y), 32099)[1] for x, y in pairs])
+        kept, noise = zip(*(span_lengths(m) for m in masks))
+        kept, noise = np.concatenate(kept), np.concatenate(noise)
+        return (np.bincount(noise, minlength=length) / len(noise), np.bincount(kept, minlength=length) / len(kept),
+                masks.mean(axis=0))
+
+    (noise, kept, position), (ref_noise, ref_kept, ref_position) = stats(zip(inputs, targets)), stats(reference)
+    assert np.abs(noise - ref_noise).sum() / 2 < 0.03  # total variation distance of the span length histograms
+    assert np.abs(kept - ref_kept).sum() / 2 < 0.03
+    assert np.abs(position - ref_position).max() < 0.05  # where the noise falls
+    assert abs(np.dot(np.arange(length), noise) - 21 / 7) < 1e-9  # 21 noise tokens in 7 spans, in every row
+
+
+def test_span_corrupt_same_seed_same_output():
+    tokens = np.random.default_rng(0).integers(3, 1000, (8, 568))
+    a = P.span_corrupt(tokens, 0.15, 3.0, 32099, 1, np.random.default_rng(5))
+    b = P.span_corrupt(tokens, 0.15, 3.0, 32099, 1, np.random.default_rng(5))
+    c = P.span_corrupt(tokens, 0.15, 3.0, 32099, 1, np.random.default_rng(6))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[0], c[0])
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# prepare
+
+
+def write_c4_jsonl(path, num_docs=400, seed=0):
+    """Synthetic documents in C4's JSONL format, with English words so that sentencepiece has something to learn."""
+    words = ("the of and to in a is that for it as was with be by on not he this are or his from at which but have "
+             "an had they you were their one all we can her has there been if more when will would who so no time "
+             "language model text data training span noise sentinel encoder decoder transformer").split()
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(num_docs):
+            sentences = [" ".join(rng.choice(words, rng.integers(4, 15))).capitalize() + "."
+                         for _ in range(rng.integers(1, 8))]
+            f.write(json.dumps({"text": " ".join(sentences), "timestamp": "2019-04-25T12:57:54Z",
+                                "url": f"https://example.com/{i}"}) + "\n")
+    return path
+
+
+def prepare_args(out_dir, **overrides):
+    return dict(dict(tokenizer="train", out_dir=str(out_dir), vocab_size=PIECES, num_proc=1,
+                     shard_tokens=SHARD_TOKENS, val_fraction=0.05), **overrides)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return str(write_c4_jsonl(tmp_path_factory.mktemp("corpus") / "c4-train.00000-of-01024.json"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "c4"
+    P.prepare(corpus, **prepare_args(out))
+    return str(out)
+
+
+def folder_bytes(folder):
+    return {os.path.basename(p): open(p, "rb").read() for p in sorted(glob.glob(os.path.join(folder, "*")))}
+
+
+def test_prepare_end_to_end(corpus, data_dir):
+    meta = P.load_meta(data_dir)
+    files = sorted(os.listdir(data_dir))
+    shards = [f for f in files if f.startswith("train_")]
+    assert files == sorted(shards + ["val.bin", "tokenizer.model", "meta.json"])
+    assert shards == meta["train_shards"] and len(shards) >= 3
+    sizes = [os.path.getsize(os.path.join(data_dir, f)) // 2 for f in shards]
+    assert sizes[:-1] == [SHARD_TOKENS] * (len(shards) - 1) and 0 < sizes[-1] <= SHARD_TOKENS
+    assert meta["train_tokens"] == sum(sizes) and meta["val_tokens"] == os.path.getsize(f"{data_dir}/val.bin") // 2
+    assert meta["vocab_size"] == PIECES + 100 and meta["model_vocab_size"] == 256
+    assert (meta["pad_id"], meta["eos_id"], meta["first_sentinel_id"]) == (0, 1, PIECES + 99)
+    assert meta["train_documents"] == 380 and meta["val_documents"] == 20 and meta["source"] == corpus
+
+    # the shards are exactly every train document's ids followed by EOS, in order; val holds every 20th document
+    tok = P.load_tokenizer(data_dir)
+    texts = [json.loads(line)["text"] for line in open(corpus)]
+    expected = [i for t in texts for i in tok.encode(t) + [1] if texts.index(t) % 20]
+    stream = np.concatenate([np.fromfile(os.path.join(data_dir, f), dtype=np.uint16) for f in shards])
+    assert stream.tolist() == expected
+    expected_val = [i for t in texts[::20] for i in tok.encode(t) + [1]]
+    assert np.fromfile(f"{data_dir}/val.bin", dtype=np.uint16).tolist() == expected_val
+    assert tok.decode(tok.encode(texts[3])) == texts[3]
+    assert tok.decode(tok.encode("The data") + [PIECES + 99] + tok.encode("model")) == "The data<extra_id_0>model"
+
+    # a rerun finds it complete, and 2 processes give the same bytes
+    assert P.prepare(corpus, **prepare_args(data_dir)) == meta
+    out2 = os.path.join(os.path.dirname(data_dir), "c4_2proc")
+    P.prepare(corpus, **prepare_args(out2, num_proc=2))
+    assert folder_bytes(out2) == folder_bytes(data_dir)
+
+
+def test_prepare_max_train_tokens(corpus, tmp_path):
+    meta = P.prepare(corpus, **prepare_args(tmp_path, max_train_tokens=4000))
+    assert meta["train_tokens"] == 4000 and meta["train_shards"] == ["train_000.bin", "train_001.bin"]
+    assert os.path.getsize(tmp_path / "train_001.bin") == 2 * 1000
+
+
+def test_prepare_resumes_after_interrupt(corpus, data_dir, tmp_path, monkeypatch):
+    # small chunks so that the run is interrupted between chunks, with a shard half written
+    chunks, calls = P._chunks, []
+
+    def interrupted_chunks(docs):
+        for chunk in chunks(docs, chunk_chars=2000):
+            calls.append(1)
+            if len(calls) == 12:
+                raise KeyboardInterrupt
+            yield chunk
+
+    monkeypatch.setattr(P, "_chunks", interrupted_chunks)
+    with pytest.raises(KeyboardInterrupt):
+        P.prepare(corpus, **prepare_args(tmp_path))
+    files = os.listdir(tmp_path)
+    assert "meta.json" not in files and not [f for f in files if f.endswith(".tmp")]
+    progress = json.load(open(tmp_path / "progress.json"))
+    assert 1 <= len(progress["shards"]) < len(P.load_meta(data_dir)["train_shards"])
+    assert any(s["next_offset"] > 0 for s in progress["shards"])  # a document straddles a shard boundary
+    for f in files:
+        if f.startswith("train_"):
+            assert os.path.getsize(tmp_path / f) == 2 * SHARD_TOKENS
+
+    monkeypatch.setattr(P, "_chunks", functools.partial(chunks, chunk_chars=2000))
+    P.prepare(corpus, **prepare_args(tmp_path))
+    assert folder_bytes(tmp_path) == folder_bytes(data_dir)
+
+
+def test_prepare_bad_input(tmp_path, corpus):
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="not found"):
+        P.prepare(str(tmp_path / "missing.jsonl"), **prepare_args(out))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(UserError, match="no training documents"):
+        P.prepare(str(tmp_path / "empty.jsonl"), **prepare_args(out))
+    (tmp_path / "other.jsonl").write_text('{"content": "hello"}\n')
+    with pytest.raises(UserError, match="no 'text' field.*content"):
+        P.prepare(str(tmp_path / "other.jsonl"), **prepare_args(out))
+    assert not out.exists()
+    with pytest.raises(UserError, match="Vocabulary size too high.*--vocab_size"):
+        P.prepare(corpus, **prepare_args(out, vocab_size=20000))
+    assert not [f for f in os.listdir(out) if f != "progress.json"]
+    P.prepare(corpus, **prepare_args(tmp_path / "done", max_train_tokens=1000))
+    with pytest.raises(UserError, match="other settings.*max_train_tokens 1000 -> 2000"):
+        P.prepare(corpus, **prepare_args(tmp_path / "done", max_train_tokens=2000))
+
+
+def test_hub_datasets_fail_fast_offline(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for name in ("c4", "HuggingFaceFW/fineweb"):
+        with pytest.raises(UserError, match="--dataset=pydoc"):
+            P.prepare(name, **prepare_args(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpt2_fails_clearly_offline(monkeypatch):
+    import requests
+    import tiktoken
+
+    def offline(name):
+        raise requests.exceptions.ConnectionError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(UserError, match="tiktoken could not download.*--tokenizer=train"):
+        P.Gpt2Tokenizer()
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), f"--dataset={tmp_path}/missing.jsonl",
+                          f"--out_dir={tmp_path}/out", "--tokenizer=train"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 1 and run.stderr.startswith("error: input file") and run.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_pydoc_corpus_is_english():
+    docs = list(zip(range(120), P.documents("pydoc", "train")))  # the pydoc topics and the first modules
+    assert len(docs) == 120
+    text = " ".join(d for _, d in docs)
+    assert len(text) > 300_000 and text.count(" the ") > 2000
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the batch stream
+
+
+def batches(data_dir, split="train", batch_size=8, seed=0, input_length=64):
+    return P.SpanCorruptionBatches(data_dir, split, batch_size, input_length, 0.15, 3.0, seed, 256)
+
+
+def test_stream_shapes_and_resume(data_dir):
+    stream = batches(data_dir)
+    x, y = stream.get(0)
+    assert x.shape == (8, 64) and y.shape == (8, stream.targets_length) and x.dtype == y.dtype == torch.int64
+    assert (stream.raw_length, stream.targets_length) == P.compute_input_and_target_lengths(64, 0.15, 3.0)
+    uninterrupted = [stream.get(step) for step in range(6)]
+    resumed = batches(data_dir)  # a fresh process resuming at step 4
+    for step in (4, 5):
+        assert all(torch.equal(a, b) for a, b in zip(resumed.get(step), uninterrupted[step]))
+    assert not torch.equal(uninterrupted[4][0], uninterrupted[5][0])
+    assert not torch.equal(batches(data_dir, seed=1).get(4)[0], uninterrupted[4][0])
+
+
+def test_stream_ranks_and_grad_accum_slice_the_same_global_batch(data_dir):
+    stream = batches(data_dir)
+    x, y = stream.get(3)
+    for accum, world in ((1, 2), (2, 1), (2, 2), (4, 2)):
+        parts = [batches(data_dir).get(3, m, accum, r, world) for m in range(accum) for r in range(world)]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+    with pytest.raises(UserError, match="split evenly"):
+        stream.get(3, 0, 3, 0, 1)
+
+
+def test_stream_epoch_visits_every_window_once(data_dir):
+    stream = batches(data_dir, batch_size=5)
+    meta, raw = stream.meta, stream.raw_length
+    windows = {tuple(s[i: i + raw].tolist()) for s in stream.shards for i in range(0, len(s) - raw + 1, raw)}
+    assert len(windows) == stream.num_windows > 20
+
+    def rows(steps):
+        for step in steps:
+            x, y = stream.get(step)
+            for a, b in zip(x.numpy(), y.numpy()):
+                yield tuple(rebuild(a, b, meta["first_sentinel_id"]))
+
+    epoch = list(rows(range(stream.num_windows // 5)))
+    assert len(set(epoch)) == len(epoch) and set(epoch) <= windows  # no repeats within an epoch
+    two_epochs = list(rows(range(2 * stream.num_windows // 5 + 1)))
+    first, second = two_epochs[: stream.num_windows], two_epochs[stream.num_windows: 2 * stream.num_windows]
+    assert set(first) == set(second) == windows and first != second  # each epoch its own order
+
+
+def test_val_stream_is_fixed(data_dir):
+    a, b = batches(data_dir, "val", seed=0), batches(data_dir, "val", seed=123)
+    for step in (0, 1):
+        assert all(torch.equal(u, v) for u, v in zip(a.get(step), b.get(step)))
+    x, y = a.get(0)
+    first = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16)[: a.raw_length]
+    assert rebuild(x[0].numpy(), y[0].numpy(), a.meta["first_sentinel_id"]) == first.tolist()
+
+
+def test_stream_bad_input(data_dir, tmp_path):
+    with pytest.raises(UserError, match="no prepared data.*python prepare.py"):
+        batches(str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match="model vocab of 256.*vocab_size is 32128"):
+        P.SpanCorruptionBatches(data_dir, "train", 8, 64, 0.15, 3.0, 0, 32128)
+    with pytest.raises(UserError, match="fewer than"):
+        batches(data_dir, "val", input_length=100_000)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name, content in folder_bytes(data_dir).items():
+        (bad / name).write_bytes(content)
+    np.full(SHARD_TOKENS, 600, dtype=np.uint16).tofile(bad / "train_000.bin")
+    np.full(SHARD_TOKENS, 600, dtype=np.uint16).tofile(bad / "train_001.bin")
+    with pytest.raises(UserError, match="train_00[01].bin holds token id 600"):
+        for step in range(20):
+            batches(str(bad)).get(step)

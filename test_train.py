@@ -1,0 +1,192 @@
+"""
+train.py and configurator.py, run as a user runs them: as subprocesses on data the tests make themselves.
+Covers learning, exact kill-and-resume, DDP == one process, and the one-line errors for bad input.
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prepare import prepare
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+# a tiny model and short sequences keep every run to a few seconds on 2 cores
+TINY = ["config/t5_tiny.py", "--compile=False", "--dtype=float32", "--device=cpu", "--input_length=64",
+        "--batch_size=8", "--eval_steps=2", "--warmup_steps=5", "--log_interval=1"]
+
+
+def run(args, env_extra=None, **kwargs):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          **kwargs)
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """C4-shaped JSONL whose documents are drawn from a pool of 40 made-up sentences, so that a masked span can be
+    learned, prepared with a small sentencepiece model trained on it"""
+    root = tmp_path_factory.mktemp("c4")
+    rng = random.Random(0)
+    words = ("the of and to in is was for on that with as by at from his her which an were are this be had not "
+             "river city music history government science church army school village species family film league "
+             "season album station county island war king game team water north south first two new").split()
+    sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "." for _ in range(40)]
+    with open(root / "c4-sample.jsonl", "w") as f:
+        for i in range(2000):
+            text = " ".join(rng.choice(sentences) for _ in range(rng.randint(2, 12)))
+            f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://x.org/{i}"}) + "\n")
+    out = root / "prepared"
+    prepare(dataset=str(root / "c4-sample.jsonl"), tokenizer="train", out_dir=str(out), vocab_size=100)
+    return str(out)
+
+
+def test_tiny_config_learns(data_dir, tmp_path):
+    out = str(tmp_path / "out")
+    r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60",
+             "--eval_interval=60", "--checkpoint_interval=60"])
+    assert r.returncode == 0, r.stderr
+    losses = read_log(out)
+    first, last = losses[1], sum(losses[s] for s in range(56, 61)) / 5
+    # random init starts near ln(model vocab 256) = 5.5; 60 steps must take off at least 2 nats
+    assert first > 5.0 and first - last > 2.0, (first, last)
+    assert os.path.exists(os.path.join(out, "ckpt.pt"))
+
+
+def test_kill_and_resume_is_exact(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=30", "--checkpoint_interval=10", "--eval_interval=1000"]
+    straight = str(tmp_path / "straight")
+    assert run(["train.py", *args, f"--out_dir={straight}"]).returncode == 0
+
+    killed = str(tmp_path / "killed")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "train.py", *args, f"--out_dir={killed}"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = os.path.join(killed, "log.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(log) and max(read_log(killed), default=0) >= 23):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # no chance to save: only the step-20 checkpoint survives
+    proc.wait()
+    assert 23 <= max(read_log(killed)) < 30
+
+    r = run(["train.py", *args, f"--out_dir={killed}", "--init_from=resume"])
+    assert r.returncode == 0, r.stderr
+    assert "resuming" in r.stdout and "at step 20" in r.stdout
+    assert read_log(killed) == read_log(straight)  # bit-identical on CPU, every step
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
+    out = str(tmp_path / "out")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}",
+                             "--max_steps=100000", "--checkpoint_interval=100000", "--eval_interval=100000"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = os.path.join(out, "log.jsonl")
+    while not (os.path.exists(log) and max(read_log(out), default=0) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    import torch
+    step = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"]
+    assert step >= 3 and f"stopped by signal at step {step}" in stdout
+
+
+def test_two_ddp_ranks_match_one_process(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=8", "--eval_interval=1000", "--checkpoint_interval=1000"]
+    one = str(tmp_path / "one")
+    assert run(["train.py", *args, f"--out_dir={one}", "--grad_accum_steps=2"]).returncode == 0
+    two = str(tmp_path / "two")
+    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args,
+             f"--out_dir={two}"])
+    assert r.returncode == 0, r.stderr
+    a, b = read_log(one), read_log(two)
+    assert a.keys() == b.keys() == set(range(1, 9))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], abs=1e-4), step
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
+    out = str(tmp_path / "out")
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4"]
+    assert run(["train.py", *args, "--max_steps=4"]).returncode == 0
+    ckpt = os.path.join(out, "ckpt.pt")
+    good = open(ckpt, "rb").read()
+    r = run(["train.py", *args, "--max_steps=40", "--init_from=resume", "--lr=1e30", "--lr_schedule=constant",
+             "--grad_clip=0.0"])
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: ") and "diverged" in r.stderr and "Traceback" not in r.stderr
+    assert open(ckpt, "rb").read() == good
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data_dir=/nonexistent/c4", "--dataset=c4"], "prepare.py"),
+    (["--init_from=resume", "--out_dir=/nonexistent/out"], "ckpt.pt"),
+    (["--optimizer=adamwscal"], "adamwscale"),
+    (["--model=t5-v1_1-smal"], "t5-v1_1-small"),
+])
+def test_bad_input_is_one_line(data_dir, args, message):
+    r = run(["train.py", *TINY, f"--data_dir={data_dir}", *args])
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_corrupt_checkpoint_is_one_line(data_dir, tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint")
+    r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume"])
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+
+
+CONFIG_SCRIPT = """
+import os
+batch_size = 8
+lr = 1e-3
+compile = True
+out_dir = "out"
+exec(open(os.path.join({repo!r}, "configurator.py")).read())
+print(config)
+"""
+
+
+@pytest.fixture
+def config_script(tmp_path):
+    path = tmp_path / "script.py"
+    path.write_text(CONFIG_SCRIPT.format(repo=REPO))
+    (tmp_path / "small.py").write_text("batch_size = 4\nlr = 1  # an int where a float is expected\n")
+    return path
+
+
+def test_configurator_applies_files_then_overrides(config_script, tmp_path):
+    r = run([str(config_script), str(tmp_path / "small.py"), "--compile=False", "--out_dir=2024"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "{'batch_size': 4, 'lr': 1.0, 'compile': False, 'out_dir': '2024'}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch_sise=3"], "unknown config key 'batch_sise' in --batch_sise (did you mean 'batch_size'?)"),
+    (["--lr=fast"], "config key 'lr' in --lr must be float, got 'fast'"),
+    (["--compile=1"], "config key 'compile' in --compile must be bool, got 1"),
+    (["--lr"], "'--lr' needs a value: write --key=value"),
+    (["missing.py"], "config file 'missing.py' not found"),
+])
+def test_configurator_errors_are_one_line(config_script, args, message):
+    r = run([str(config_script), *args])
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"error: {message}") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_configurator_rejects_unknown_key_in_file(config_script, tmp_path):
+    (tmp_path / "bad.py").write_text("batch_size = 4\nlearning_rate = 0.1\n")
+    r = run([str(config_script), str(tmp_path / "bad.py")])
+    assert r.returncode == 2 and "unknown config key 'learning_rate'" in r.stderr

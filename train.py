@@ -1,0 +1,205 @@
+"""
+Pre-trains T5 v1.1 with span corruption: nanoT5's recipe as one flat loop, read top to bottom.
+One GPU:
+    python train.py config/t5_base.py
+Eight GPUs on one node (same global batch, same data, ~8x faster):
+    torchrun --standalone --nproc_per_node=8 train.py config/t5_base.py
+The CPU demo, which prepares its own data on first use:
+    python train.py config/t5_tiny.py
+"""
+import math
+import os
+import time
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import T5, T5Config, UserError, load_checkpoint, save_checkpoint
+from optim import (Logger, StopSignal, checkpoint_state, get_lr, make_optimizer, param_groups, print0, raw_model,
+                   restore_rng, setup_runtime, train_step)
+from prepare import SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, prepare
+
+# -----------------------------------------------------------------------------------------------------------------
+# default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override any of these
+# paths and run
+out_dir = "out"
+data_dir = "data/c4"
+init_from = "scratch"  # 'scratch', 'resume' (from out_dir/ckpt.pt), or an HF name or folder to continue from
+# how data_dir was made; an offline dataset (pydoc) is prepared automatically on first use
+dataset = "c4"
+tokenizer = "t5"
+vocab_size = 32000  # only for tokenizer='train'
+# model
+model = "t5-v1_1-base"
+dropout = 0.0  # nanoT5 pre-trains without dropout
+# data and objective
+input_length = 512
+noise_density = 0.15
+mean_noise_span_length = 3.0
+# batch
+batch_size = 128  # global examples per optimizer step, over all micro-steps and ranks
+grad_accum_steps = 1
+# steps
+max_steps = 65536
+time_budget_hours = 0.0  # > 0: schedule and stop follow wall-clock time instead of max_steps (Cramming)
+# optimizer and schedule
+optimizer = "adamwscale"
+lr = 2e-2
+lr_schedule = "cosine"
+warmup_steps = 10000
+warmup_start_factor = 0.5
+min_lr = 1e-5
+weight_decay = 0.0
+grad_clip = 1.0
+z_loss = 0.0
+# intervals
+eval_interval = 1000
+eval_steps = 20
+log_interval = 10
+checkpoint_interval = 1000
+# system
+device = "auto"  # cuda > mps > cpu
+dtype = "bfloat16"
+compile = True
+seed = 1337
+wandb_log = False
+wandb_project = "nanoT5"
+wandb_run_name = "t5"
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+# -----------------------------------------------------------------------------------------------------------------
+
+rt = setup_runtime(device, dtype, seed)
+micro_batch_size = rt.micro_batch_size(batch_size, grad_accum_steps)
+raw_length, targets_length = compute_input_and_target_lengths(input_length, noise_density, mean_noise_span_length)
+tokens_per_step = batch_size * (input_length + targets_length)
+print0(f"{batch_size} examples x ({input_length} input + {targets_length} target) tokens = {tokens_per_step:,} "
+       f"tokens/step, {micro_batch_size} per micro-step on each of {rt.world_size} rank(s)")
+
+# the offline corpus needs no download, so a fresh clone can train at once
+if not os.path.exists(os.path.join(data_dir, "meta.json")) and dataset == "pydoc":
+    if rt.master:
+        print0(f"{data_dir} has no data yet: preparing the '{dataset}' corpus there first (runs once)")
+        prepare(dataset=dataset, tokenizer=tokenizer, out_dir=data_dir, vocab_size=vocab_size)
+    if rt.ddp:
+        torch.distributed.barrier()
+meta = load_meta(data_dir)
+
+# the model: from scratch, from our own checkpoint, or from released Hugging Face weights
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+ckpt = load_checkpoint(ckpt_path) if init_from == "resume" else None
+if ckpt is not None:
+    t5 = T5.from_checkpoint(ckpt)
+    print0(f"resuming from {ckpt_path} at step {ckpt['step']}")
+elif init_from == "scratch":
+    t5 = T5(T5Config.from_preset(model, vocab_size=meta["model_vocab_size"], dropout=dropout))
+else:
+    t5 = T5.from_pretrained(init_from, dropout=dropout)  # HF configs say 0.1, the fine-tuning value
+print0(f"{t5.num_params() / 1e6:.1f}M parameters")
+t5.to(rt.device)
+opt = make_optimizer(optimizer, param_groups(t5, weight_decay), lr)
+if ckpt is not None:
+    opt.load_state_dict(ckpt["optimizer"])
+    restore_rng(ckpt)
+step = ckpt["step"] if ckpt is not None else 0  # optimizer steps done
+elapsed = ckpt["elapsed"] if ckpt is not None else 0.0  # training seconds, summed over resumes for the time budget
+flops_per_step = t5.flops_per_step(batch_size, input_length, targets_length)
+ckpt = None  # free the checkpoint's copy of the weights
+if compile:
+    t5 = torch.compile(t5)
+if rt.ddp:
+    t5 = DDP(t5, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
+
+data_args = (batch_size, input_length, noise_density, mean_noise_span_length, seed, raw_model(t5).config.vocab_size)
+train_data = SpanCorruptionBatches(data_dir, "train", *data_args)
+val_data = SpanCorruptionBatches(data_dir, "val", *data_args)
+logger = Logger(out_dir, rt.master, resume_step=step if init_from == "resume" else None, wandb_log=wandb_log,
+                wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
+stop = StopSignal()
+
+
+def micro_batches(data, step):
+    """get_batch for train_step: this rank's share of the global batch of `step`, one micro-step at a time"""
+    def get_batch(micro_step):
+        input_ids, labels = data.get(step, micro_step, grad_accum_steps, rt.rank, rt.world_size, rt.device)
+        return input_ids, labels, None  # pre-training windows are never padded
+    return get_batch
+
+
+@torch.no_grad()
+def evaluate():
+    """loss and next-token accuracy on the fixed validation batches, comparable across runs and checkpoints"""
+    t5.eval()
+    totals = torch.zeros(2, device=rt.device)
+    for i in range(eval_steps):
+        get_batch = micro_batches(val_data, i)
+        for micro_step in range(grad_accum_steps):
+            input_ids, labels, _ = get_batch(micro_step)
+            with rt.autocast():
+                logits, loss = t5(input_ids, labels=labels)
+            totals += torch.stack([loss.float(), (logits.argmax(-1) == labels).float().mean()])
+    if rt.ddp:
+        torch.distributed.all_reduce(totals)  # gloo has no AVG: sum, then divide by the ranks too
+    t5.train()
+    val_loss, val_acc = (totals / (eval_steps * grad_accum_steps * rt.world_size)).tolist()
+    return val_loss, val_acc
+
+
+def save():
+    global saved_step
+    if rt.master:
+        save_checkpoint(ckpt_path, checkpoint_state(t5, opt, step, elapsed, config, meta))
+    saved_step = step
+
+
+saved_step = step
+
+
+budget_s = time_budget_hours * 3600
+t5.train()
+t_log, steps_since_log = time.time(), 0
+while step < max_steps and (budget_s == 0 or elapsed < budget_s):
+    t0 = time.time()
+    # a time budget drives the schedule by progress through the budget rather than by step count
+    progress_step = elapsed / budget_s * max_steps if budget_s else step + 1
+    lr_now = get_lr(progress_step, max_steps, lr_schedule, lr, warmup_steps, warmup_start_factor, min_lr)
+    loss, grad_norm = train_step(t5, opt, micro_batches(train_data, step), grad_accum_steps, lr_now, grad_clip, z_loss,
+                                 rt.autocast, rt.ddp)
+    step += 1
+    # one sync per step: negligible next to a 0.5 s step, and it stops a NaN before it can reach a checkpoint
+    if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
+        raise UserError(f"loss {loss.item()} / grad norm {grad_norm.item()} at step {step}: training diverged; "
+                        f"{ckpt_path} (last good checkpoint) is untouched; resume with a lower lr or grad_clip")
+    elapsed += time.time() - t0
+    steps_since_log += 1
+
+    if step % log_interval == 0 or step == max_steps:
+        if rt.ddp:
+            torch.distributed.all_reduce(loss)
+            loss /= rt.world_size
+        dt = (time.time() - t_log) / steps_since_log
+        t_log, steps_since_log = time.time(), 0
+        peak = rt.peak_flops()
+        mfu = flops_per_step / dt / peak if peak else None
+        eta_s = budget_s - elapsed if budget_s else (max_steps - step) * dt
+        record = {"step": step, "loss": loss.item(), "lr": lr_now, "grad_norm": grad_norm.item(),
+                  "ms_per_step": 1000 * dt, "tokens_per_s": tokens_per_step / dt, "mfu": mfu, "elapsed": elapsed}
+        logger.log(record)
+        mfu_text = f" | mfu {100 * mfu:.1f}%" if mfu else ""
+        print0(f"step {step:6d} | loss {record['loss']:.4f} | lr {lr_now:.2e} | grad norm {record['grad_norm']:.3f} | "
+               f"{record['ms_per_step']:.0f} ms/step | {record['tokens_per_s']:,.0f} tok/s{mfu_text} | "
+               f"eta {eta_s / 3600:.2f} h")
+    if step % eval_interval == 0 or step == max_steps:
+        val_loss, val_acc = evaluate()
+        logger.log({"step": step, "val_loss": val_loss, "val_acc": val_acc})
+        print0(f"step {step:6d} | val loss {val_loss:.4f} | val acc {val_acc:.4f}")
+    if stop.agreed(rt):
+        print0(f"stopped by signal at step {step}")
+        break
+    if step % checkpoint_interval == 0:
+        save()
+if saved_step != step:
+    save()
+print0(f"{step} steps in {elapsed / 3600:.2f} h; checkpoint in {ckpt_path} (continue with --init_from=resume)")
+
+if rt.ddp:
+    torch.distributed.destroy_process_group()
