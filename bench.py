@@ -24,7 +24,8 @@ import torch
 
 from model import T5, T5Config, UserError
 from optim import make_optimizer, param_groups, print0, setup_runtime, train_step
-from prepare import SpanCorruptionBatches, compute_input_and_target_lengths
+from prepare import (SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, span_corrupt,
+                     span_corrupt_per_example)
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config; --key=value overrides any of these
@@ -227,7 +228,6 @@ def bench_train_side_by_side(rt, vocab_size):
 
 def bench_data():
     """building one global batch of span-corrupted examples, as the data loader does every step"""
-    from prepare import span_corrupt, span_corrupt_per_example
     rows = batch_size or 128
     first_sentinel_id, eos_id = 32099, 1  # the T5 tokenizer's <extra_id_0> and </s>
     # uint16, as the loader reads windows out of the .bin shards
@@ -317,7 +317,6 @@ if __name__ == "__main__":
     tokens_per_step = batch_size * (input_length + targets_length)
     vocab_size = T5Config.from_preset(model_name).vocab_size
     if data_dir:
-        from prepare import load_meta
         vocab_size = load_meta(data_dir)["model_vocab_size"]
     name = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
     shape = f"batch {batch_size} x ({input_length} input + {targets_length} target) | " if part == "train" else ""

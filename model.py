@@ -447,18 +447,19 @@ class T5(nn.Module):
     def save_pretrained(self, folder):
         """Write config.json and model.safetensors in Hugging Face's layout, so that
         transformers.T5ForConditionalGeneration.from_pretrained(folder) gives the same model."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
         c = self.config
         os.makedirs(folder, exist_ok=True)
         state_dict = self.state_dict()
         tensors = {hf_name: state_dict[name].contiguous() for name, hf_name in _hf_names(self)
                    if not (c.tie_word_embeddings and name == 'lm_head.weight')}  # tied: the same tensor as shared
-        save_file(tensors, os.path.join(folder, 'model.safetensors'), metadata={'format': 'pt'})
+        with atomic_write(os.path.join(folder, 'model.safetensors')) as f:
+            f.write(save(tensors, metadata={'format': 'pt'}))
         hf = {_HF_CONFIG_NAMES.get(k, k): v for k, v in dataclasses.asdict(c).items()}
         hf.update(architectures=['T5ForConditionalGeneration'], model_type='t5', feed_forward_proj='gated-gelu',
                   dense_act_fn='gelu_new', is_gated_act=True, is_encoder_decoder=True, initializer_factor=1.0,
                   use_cache=True, scale_decoder_outputs=c.output_scaling != 1.0)
-        with open(os.path.join(folder, 'config.json'), 'w') as f:
+        with atomic_write(os.path.join(folder, 'config.json'), 'w') as f:
             json.dump(hf, f, indent=2)
 
 

@@ -103,6 +103,40 @@ def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_i
     return np.concatenate([inputs, eos], axis=1), np.concatenate([targets, eos], axis=1)
 
 
+def span_corrupt_per_example(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rng):
+    """The straightforward version of span_corrupt: one example at a time, step by step as T5's
+    random_spans_noise_mask describes it. span_corrupt must match it in distribution (test_prepare.py checks), and
+    bench.py --part=data times the two against each other."""
+    L = tokens.shape[1]
+    num_noise, num_spans = _noise_counts(L, noise_density, mean_noise_span_length)
+
+    def random_segmentation(num_items):
+        # shuffle num_spans - 1 segment starts among items 1..num_items-1; item 0 always starts a segment
+        is_start = [1] + list(rng.permutation([1] * (num_spans - 1) + [0] * (num_items - num_spans)))
+        lengths = []
+        for start in is_start:
+            if start:
+                lengths.append(0)
+            lengths[-1] += 1
+        return lengths
+
+    all_inputs, all_targets = [], []
+    for row in tokens:
+        is_noise = []
+        for kept, noise in zip(random_segmentation(L - num_noise), random_segmentation(num_noise)):
+            is_noise += [False] * kept + [True] * noise
+        inputs, targets, sentinel = [], [], first_sentinel_id + 1
+        for i, token in enumerate(row):
+            if is_noise[i] and not is_noise[i - 1]:  # a noise span starts (position 0 is never noise)
+                sentinel -= 1
+                inputs.append(sentinel)
+                targets.append(sentinel)
+            (targets if is_noise[i] else inputs).append(int(token))
+        all_inputs.append(inputs + [eos_id])
+        all_targets.append(targets + [eos_id])
+    return np.array(all_inputs, dtype=np.int64), np.array(all_targets, dtype=np.int64)
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # tokenizers: sentencepiece (T5's or a new one) or GPT-2's BPE, each with 100 sentinels appended to its vocab
 

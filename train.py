@@ -172,7 +172,7 @@ while step < max_steps and (budget_s == 0 or elapsed < budget_s):
     elapsed += time.time() - t0
     steps_since_log += 1
 
-    if step % log_interval == 0 or step == max_steps:
+    if step % log_interval == 0 or step in (1, max_steps):  # step 1: the loss at initialisation
         if rt.ddp:
             torch.distributed.all_reduce(loss)
             loss /= rt.world_size
