@@ -103,6 +103,22 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
     assert step >= 3 and f"stopped by signal at step {step}" in stdout
 
 
+def test_time_budget_stops_the_run_and_drives_the_schedule(data_dir, tmp_path):
+    out = str(tmp_path / "out")
+    # 4 seconds of training, against a max_steps no CPU could reach in that time
+    r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=1000000",
+             "--time_budget_hours=0.0011", "--eval_interval=1000000", "--checkpoint_interval=1000000",
+             "--min_lr=1e-5"])
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(out, "log.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    last = records[-1]
+    assert 1 < last["step"] < 1000 and 3.96 <= last["elapsed"] < 10
+    # the cosine schedule follows the fraction of the budget spent (over half by the last step), not the fraction of
+    # max_steps (under 0.1%, which would still be the peak lr of 1e-2)
+    assert last["lr"] < 5e-3
+
+
 def test_two_ddp_ranks_match_one_process(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", "--max_steps=8", "--eval_interval=1000", "--checkpoint_interval=1000"]
     one = str(tmp_path / "one")
