@@ -8,6 +8,7 @@ in the same process and on the same weights, the alternatives one would otherwis
     python bench.py --part=data                      # span corruption of a batch vs one example at a time
     python bench.py --part=optim                     # AdamWScale vs torch.optim.AdamW(foreach=True)
     python bench.py --part=generate                  # greedy decoding vs transformers' generate
+    python bench.py --part=prepare --data_dir=data/pydoc --dataset=big.jsonl   # prepare.py vs one sp.encode call
     python bench.py --profile=True                   # torch.profiler trace of every timed side, into out_dir
 The CPU measurements of the README:
     python bench.py --device=cpu --threads=2 --dtype=float32 --compile=False --compare=hf
@@ -29,12 +30,15 @@ from prepare import (SpanCorruptionBatches, compute_input_and_target_lengths, lo
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config; --key=value overrides any of these
-part = "train"  # 'train', 'data' (span corruption), 'optim' (optimizer step) or 'generate' (greedy decoding)
+part = "train"  # 'train', 'data' (span corruption), 'optim' (optimizer step), 'generate' (greedy decoding) or
+# 'prepare' (prepare.py's tokenising of `dataset` with data_dir's tokenizer vs one single-process sentencepiece call)
 compare = ""  # '': ours alone (train) or against the part's reference; 'hf': against transformers; 'null': ours twice
 table = False  # part=train: every dtype x compile row in one run
 profile = False
 out_dir = "out/bench"  # profiler traces go here
 data_dir = ""  # a prepare.py folder to time real span-corrupted batches; '' -> random ids, no loading in the step
+dataset = "pydoc"  # part=prepare: the text to tokenise, any dataset prepare.py accepts (a big local file is fairest)
+num_proc = os.cpu_count()  # part=prepare: prepare.py's worker processes
 # model and shapes
 model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
 batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's), 4 elsewhere (128 for part=data)
@@ -243,6 +247,30 @@ def bench_data():
     side_by_side(("batched", corrupt(span_corrupt)), reference, rows * raw_length, "tok", lambda: None)
 
 
+def bench_prepare():
+    """prepare.py end to end (reading, tokenising in num_proc processes, writing shards) against one single-process
+    sentencepiece call on the same documents, already in memory: the speed-up parallel tokenisation buys"""
+    import sentencepiece as spm
+    from prepare import documents, prepare
+    if not data_dir:
+        raise UserError("part=prepare tokenises with a prepared folder's tokenizer: pass --data_dir=data/pydoc")
+    tokenizer_file = load_meta(data_dir)["tokenizer_file"]
+    if not tokenizer_file:
+        raise UserError(f"{data_dir} was prepared with the gpt2 tokenizer; part=prepare needs a sentencepiece one")
+    model_file = os.path.join(data_dir, tokenizer_file)
+    texts = list(documents(dataset, "train")) + list(documents(dataset, "val"))
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    tokens = sum(len(ids) + 1 for ids in sp.encode(texts))  # + EOS, as prepare.py writes it
+    print0(f"{len(texts):,} documents of {dataset}, {tokens:,} tokens")
+
+    def run_prepare():
+        with tempfile.TemporaryDirectory() as folder:
+            prepare(dataset, model_file, folder, num_proc=num_proc)
+    reference = ("prepare.py again", run_prepare) if compare == "null" else \
+        ("one sp.encode call", lambda: sp.encode(texts, num_threads=1))
+    side_by_side((f"prepare.py, num_proc={num_proc}", run_prepare), reference, tokens, "tok", lambda: None)
+
+
 def bench_optim(rt, vocab_size):
     t5 = build_model(rt, vocab_size)
     twin = our_twin(t5, rt)
@@ -298,9 +326,9 @@ def bench_generate(rt, vocab_size):
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-    if part not in ("train", "data", "optim", "generate"):
-        raise UserError(f"part '{part}' is not one of train, data, optim, generate")
-    if compare not in ("", "hf", "null") or (compare == "hf" and part in ("data", "optim")):
+    if part not in ("train", "data", "optim", "generate", "prepare"):
+        raise UserError(f"part '{part}' is not one of train, data, optim, generate, prepare")
+    if compare not in ("", "hf", "null") or (compare == "hf" and part in ("data", "optim", "prepare")):
         raise UserError(f"compare '{compare}' is not valid here; use '' (the part's reference), 'null', or 'hf' "
                         f"with part=train or part=generate")
     if table and (part != "train" or compare):
@@ -325,6 +353,8 @@ if __name__ == "__main__":
 
     if part == "data":
         bench_data()
+    elif part == "prepare":
+        bench_prepare()
     elif part == "optim":
         bench_optim(rt, vocab_size)
     elif part == "generate":
