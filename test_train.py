@@ -28,7 +28,8 @@ def run(args, env_extra=None, **kwargs):
 
 def read_log(out_dir):
     with open(os.path.join(out_dir, "log.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+        # a run still writing may have half a line at the end: it is read once it is complete
+        records = [json.loads(line) for line in f if line.endswith("\n")]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
@@ -74,7 +75,8 @@ def test_kill_and_resume_is_exact(data_dir, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = os.path.join(killed, "log.jsonl")
     deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(log) and max(read_log(killed), default=0) >= 23):
+    while proc.poll() is None and time.time() < deadline and not (
+            os.path.exists(log) and max(read_log(killed), default=0) >= 23):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # no chance to save: only the step-20 checkpoint survives
     proc.wait()
@@ -93,7 +95,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
                              "--max_steps=100000", "--checkpoint_interval=100000", "--eval_interval=100000"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = os.path.join(out, "log.jsonl")
-    while not (os.path.exists(log) and max(read_log(out), default=0) >= 3):
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline and not (
+            os.path.exists(log) and max(read_log(out), default=0) >= 3):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
