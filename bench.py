@@ -161,7 +161,7 @@ class TransformersAdapter(torch.nn.Module):
 def batches(rt, vocab_size):
     """get_batch for train_step: real batches from data_dir, a new one each step as train.py loads them, or one fixed
     random batch (then the step has no data loading in it)"""
-    micro_batch_size = batch_size // grad_accum_steps
+    micro_batch_size = rt.micro_batch_size(batch_size, grad_accum_steps)
     if not data_dir:
         generator = torch.Generator().manual_seed(seed)
         input_ids = torch.randint(0, vocab_size, (micro_batch_size, input_length), generator=generator)
@@ -339,8 +339,7 @@ if __name__ == "__main__":
     on_cuda = rt.device_type == "cuda"
     model_name = model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small")
     batch_size = batch_size or (128 if on_cuda or part == "data" else 4)
-    if batch_size % grad_accum_steps:
-        raise UserError(f"batch_size={batch_size} must split evenly into grad_accum_steps={grad_accum_steps}")
+    rt.micro_batch_size(batch_size, grad_accum_steps)  # a one-line error if the batch does not split
     raw_length, targets_length = compute_input_and_target_lengths(input_length, noise_density, mean_noise_span_length)
     tokens_per_step = batch_size * (input_length + targets_length)
     vocab_size = T5Config.from_preset(model_name).vocab_size

@@ -282,12 +282,15 @@ if __name__ == "__main__":
                     wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
     stop = StopSignal()
 
+    @lru_cache(maxsize=1)
+    def epoch_order(epoch):
+        # a new shuffle each epoch, a pure function of (seed, epoch): a resumed run sees the batches it would have
+        return torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
     def micro_batches(step):
         """get_batch for train_step: this rank's share of the batch of `step`, one micro step at a time"""
         epoch, i = divmod(step, steps_per_epoch)
-        # a new shuffle each epoch, a pure function of (seed, epoch): a resumed run sees the batches it would have
-        order = torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(seed + epoch))
-        batch = order[i * batch_size:(i + 1) * batch_size].tolist()
+        batch = epoch_order(epoch)[i * batch_size:(i + 1) * batch_size]
 
         def get_batch(micro_step):
             first = (micro_step * rt.world_size + rt.rank) * micro_batch_size

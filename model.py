@@ -527,6 +527,14 @@ def _read_weights(folder):
 
 # ---- training checkpoints ----
 
+def commit(f, path):
+    """Finish a file written under a temporary name: flush it to disk, then rename it to path in one step."""
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+    os.replace(f.name, path)
+
+
 @contextlib.contextmanager
 def atomic_write(path, mode='wb'):
     """Write to path.tmp and rename it to path once complete: a crash or Ctrl-C mid-write leaves the previous file
@@ -534,10 +542,7 @@ def atomic_write(path, mode='wb'):
     f = open(path + '.tmp', mode)
     try:
         yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(f.name, path)
+        commit(f, path)
     finally:
         if not f.closed:
             f.close()

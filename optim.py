@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from model import UserError
+from model import UserError, atomic_write
 
 
 def rms(t):
@@ -352,10 +352,10 @@ class Logger:
         os.makedirs(out_dir, exist_ok=True)
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
-            with open(self.path + ".tmp", "w") as f:
+                # a run killed mid-write leaves half a line at the end: it goes with the steps after the checkpoint
+                kept = [line for line in f if line.endswith("\n") and json.loads(line).get("step", 0) <= resume_step]
+            with atomic_write(self.path, "w") as f:
                 f.writelines(kept)
-            os.replace(self.path + ".tmp", self.path)
         if wandb_log:
             import wandb
             self.wandb = wandb.init(project=wandb_project, name=wandb_run_name, config=config)

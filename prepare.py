@@ -21,7 +21,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from model import UserError, atomic_write
+from model import UserError, atomic_write, commit
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config for `python prepare.py`; --key=value overrides any of these
@@ -415,13 +415,6 @@ def encoded_chunks(docs, model_file, num_proc):
 # prepare
 
 
-def _commit(f, path):
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-    os.replace(f.name, path)
-
-
 def _write_json(path, obj):
     with atomic_write(path, "w") as f:
         json.dump(obj, f, indent=2)
@@ -475,7 +468,7 @@ def _write_train(docs, model_file, num_proc, out_dir, state, shard_tokens, max_t
     chunk_doc = next_doc  # index of the current chunk's first document
 
     def finish_shard(next_doc, next_offset):
-        _commit(shard, os.path.join(out_dir, f"train_{len(shards):03d}.bin"))
+        commit(shard, os.path.join(out_dir, f"train_{len(shards):03d}.bin"))
         shards.append({"tokens": filled, "next_doc": next_doc, "next_offset": next_offset})
         save_state()
 
