@@ -85,6 +85,45 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
     return bucket + torch.where(distance < max_exact, distance, large)
 
 
+def linear(x, weight):
+    """x @ weight.T. On CPU in fp32 this runs through oneDNN rather than F.linear's MKL sgemm: on the AMD EPYC cores
+    we measure on, MKL reaches ~115 GFLOP/s and oneDNN (the CPU kernel torch.compile's inductor itself calls) ~300,
+    2-2.4x faster for every T5 shape, forward and backward, equal to within fp32 rounding. On GPUs, under autocast
+    and inside torch.compile, F.linear already gets the fast kernel."""
+    if (x.device.type != 'cpu' or x.dtype != torch.float32 or torch.is_autocast_enabled('cpu')
+            or torch.compiler.is_compiling() or not torch.backends.mkldnn.is_available()):
+        return F.linear(x, weight)
+    return _OneDNNLinear.apply(x, weight)
+
+
+def _onednn_linear(x, weight):  # any strides: the backward passes transposed views without copying them
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, 'none', [], '')
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _onednn_linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = _onednn_linear(grad, weight.t())  # grad @ weight
+        grad_weight = _onednn_linear(grad.flatten(0, -2).t(), x.flatten(0, -2).t())  # grad.T @ x, (out, in)
+        return grad_x, grad_weight
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias, running through linear() above; a module so that checkpoints keep their names"""
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        return linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     """T5's layer norm: scale only, no mean subtraction, no bias, variance in fp32 even under autocast."""
 
@@ -109,10 +148,10 @@ class Attention(nn.Module):
         super().__init__()
         self.d_kv, self.bidirectional, self.dropout = config.d_kv, bidirectional, config.dropout
         inner = config.num_heads * config.d_kv
-        self.q = nn.Linear(config.d_model, inner, bias=False)
-        self.k = nn.Linear(config.d_model, inner, bias=False)
-        self.v = nn.Linear(config.d_model, inner, bias=False)
-        self.o = nn.Linear(inner, config.d_model, bias=False)
+        self.q = Linear(config.d_model, inner)
+        self.k = Linear(config.d_model, inner)
+        self.v = Linear(config.d_model, inner)
+        self.o = Linear(inner, config.d_model)
         if has_relative_attention_bias:
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
             self.num_buckets = config.relative_attention_num_buckets
@@ -134,8 +173,8 @@ class Attention(nn.Module):
 
     def encoder_kv(self, encoder_out):
         """Cross-attention keys and values; generate() computes them once per layer and reuses them every step."""
-        kv = F.linear(encoder_out, torch.cat([self.k.weight, self.v.weight]))  # (B, S, 2*nh*hs)
-        return [self.split_heads(t) for t in kv.chunk(2, dim=-1)]
+        kv = linear(encoder_out, torch.cat([self.k.weight, self.v.weight]))  # (B, S, 2*nh*hs)
+        return [self.split_heads(t).contiguous() for t in kv.chunk(2, dim=-1)]
 
     def forward(self, x, mask, kv=None, cache=None, pos=0):
         """mask: float, position bias plus -large where attention is not allowed, broadcastable to (B, nh, T, Tk).
@@ -146,7 +185,7 @@ class Attention(nn.Module):
         if kv is not None:
             q, (k, v) = self.split_heads(self.q(x)), kv
         else:
-            qkv = F.linear(x, self.qkv_weight() if cache is None else cache[0])  # (B, T, 3*nh*hs)
+            qkv = linear(x, self.qkv_weight() if cache is None else cache[0])  # (B, T, 3*nh*hs)
             q, k, v = [self.split_heads(t) for t in qkv.chunk(3, dim=-1)]
             if cache is not None:
                 cache[1][:, :, pos:pos + T] = k
@@ -163,9 +202,9 @@ class GatedGELU(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.wi_0 = Linear(config.d_model, config.d_ff)
+        self.wi_1 = Linear(config.d_model, config.d_ff)
+        self.wo = Linear(config.d_ff, config.d_model)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -266,7 +305,7 @@ class T5(nn.Module):
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.shared.weight
         self.init_weights()
@@ -353,10 +392,14 @@ class T5(nn.Module):
                 raise UserError("T5.forward needs decoder_input_ids or labels (to shift right into decoder inputs)")
             decoder_input_ids = self.shift_right(labels)
         self.check_ids('decoder_attention_mask', decoder_attention_mask, like=decoder_input_ids)
+        if decoder_input_ids.size(0) != input_ids.size(0):
+            raise UserError(f"input_ids hold {input_ids.size(0)} rows but the decoder's ids {decoder_input_ids.size(0)}")
         dtype = self.compute_dtype(input_ids.device)
-        encoder_out = self.encoder(self.shared(input_ids), attention_mask, dtype)
-        x = self.decoder(self.shared(decoder_input_ids), encoder_out, padding_mask(attention_mask, dtype),
-                         decoder_attention_mask, dtype)
+        # one lookup for both stacks: the backward then builds one dense (vocab, d_model) gradient, not two to add
+        S, T = input_ids.size(1), decoder_input_ids.size(1)
+        encoder_in, decoder_in = self.shared(torch.cat([input_ids, decoder_input_ids], dim=1)).split([S, T], dim=1)
+        encoder_out = self.encoder(encoder_in, attention_mask, dtype)
+        x = self.decoder(decoder_in, encoder_out, padding_mask(attention_mask, dtype), decoder_attention_mask, dtype)
         logits = self.lm_head(x * self.config.output_scaling)
         loss = None
         if labels is not None:

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import transformers
 
-from model import PRESETS, T5, T5Config, UserError, load_checkpoint, relative_position_bucket, save_checkpoint
+from model import (PRESETS, T5, T5Config, UserError, _hf_names, linear, load_checkpoint, relative_position_bucket,
+                   save_checkpoint)
 
 # small, but with everything that can go wrong: encoder/decoder depths differ, heads * d_kv != d_model,
 # and the tests use sequences longer than relative_attention_max_distance so the log buckets are exercised
@@ -97,6 +98,38 @@ def test_hf_4x_style_config_untied(tmp_path):
     ours = T5.from_pretrained(str(tmp_path)).eval()
     assert ours.config.output_scaling == 1.0
     assert_same_outputs(ours, hf)
+
+
+def test_gradients_match_hf(tmp_path):
+    # the backward too: a training step must move every weight as transformers' T5 would
+    hf = hf_model(False).train()
+    hf.save_pretrained(tmp_path)
+    ours = T5.from_pretrained(str(tmp_path)).train()
+    input_ids, attention_mask, labels = padded_batch()
+    ours(input_ids, labels=labels, attention_mask=attention_mask)[1].backward()
+    hf(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+    hf_grads = {name: p.grad for name, p in hf.named_parameters()}
+    for name, hf_name in _hf_names(ours):
+        grad, ref = dict(ours.named_parameters())[name].grad, hf_grads[hf_name]
+        assert (grad - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item()), name
+
+
+def test_linear_matches_f_linear():
+    # model.linear swaps the kernel on CPU in fp32 (oneDNN for MKL); the numbers, forward and backward, must not move
+    torch.manual_seed(0)
+    x = torch.randn(7, 16, 3).permute(0, 2, 1).requires_grad_()  # (7, 3, 16), not contiguous
+    weight = torch.randn(5, 16, requires_grad=True)
+    y = linear(x, weight)
+    if torch.backends.mkldnn.is_available():
+        assert type(y.grad_fn).__name__ == "_OneDNNLinearBackward"
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, weight), g)
+    ref = torch.nn.functional.linear(x, weight)
+    ref_grads = torch.autograd.grad(ref, (x, weight), g)
+    assert torch.allclose(y, ref, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, ref_grads))
+    with torch.autocast("cpu", torch.bfloat16):
+        assert linear(x, weight).dtype == torch.bfloat16  # autocast keeps its own bf16 kernel
 
 
 @pytest.mark.parametrize("tied", [False, True])
