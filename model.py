@@ -86,10 +86,10 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
 
 
 def linear(x, weight):
-    """x @ weight.T. On CPU in fp32 this runs through oneDNN rather than F.linear's MKL sgemm: on the AMD EPYC cores
-    we measure on, MKL reaches ~115 GFLOP/s and oneDNN (the CPU kernel torch.compile's inductor itself calls) ~300,
-    2-2.4x faster for every T5 shape, forward and backward, equal to within fp32 rounding. On GPUs, under autocast
-    and inside torch.compile, F.linear already gets the fast kernel."""
+    """x @ weight.T. On CPU in fp32 this runs through oneDNN (the kernel torch.compile's CPU backend calls) rather
+    than F.linear's MKL sgemm: on the AMD EPYC cores we measured, oneDNN is 2-2.4x faster for every T5 shape, forward
+    and backward, and equal to within fp32 rounding. On GPUs, under autocast and inside torch.compile, F.linear
+    already gets the fast kernel."""
     if (x.device.type != 'cpu' or x.dtype != torch.float32 or torch.is_autocast_enabled('cpu')
             or torch.compiler.is_compiling() or not torch.backends.mkldnn.is_available()):
         return F.linear(x, weight)
