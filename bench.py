@@ -38,7 +38,7 @@ profile = False
 out_dir = "out/bench"  # profiler traces go here
 data_dir = ""  # a prepare.py folder to time real span-corrupted batches; '' -> random ids, no loading in the step
 dataset = "pydoc"  # part=prepare: the text to tokenise, any dataset prepare.py accepts (a big local file is fairest)
-num_proc = os.cpu_count()  # part=prepare: prepare.py's worker processes
+num_proc = os.cpu_count()  # part=prepare: prepare.py's tokenising threads
 # model and shapes
 model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
 batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's), 4 elsewhere (128 for part=data)
@@ -248,7 +248,7 @@ def bench_data():
 
 
 def bench_prepare():
-    """prepare.py end to end (reading, tokenising in num_proc processes, writing shards) against one single-process
+    """prepare.py end to end (reading, tokenising in num_proc threads, writing shards) against one single-threaded
     sentencepiece call on the same documents, already in memory: the speed-up parallel tokenisation buys"""
     import sentencepiece as spm
     from prepare import documents, prepare

@@ -14,7 +14,6 @@ import itertools
 import json
 import math
 import os
-import signal
 import time
 from collections import deque
 
@@ -31,7 +30,7 @@ tokenizer = "t5"  # 't5', a local sentencepiece .model file, 'gpt2', or 'train' 
 vocab_size = 32000  # pieces of the trained model, for tokenizer='train'
 out_dir = "data/c4"
 max_train_tokens = 0  # stop after this many train tokens; 0 = the whole dataset
-num_proc = os.cpu_count()
+num_proc = os.cpu_count()  # tokenising threads
 shard_tokens = 100_000_000  # 200 MB per shard
 val_fraction = 0.005  # documents held out of a dataset that has no validation split
 max_val_tokens = 10_000_000
@@ -142,10 +141,18 @@ def span_corrupt_per_example(tokens, noise_density, mean_noise_span_length, firs
 
 
 class _Tokenizer:
-    """encode(str) -> ids, encode_batch(list of str, add_eos=False), decode(ids) -> str with <extra_id_i> sentinels."""
+    """encode(str) -> list of ids, encode_documents(list of str) -> (uint16 ids of all of them, each followed by EOS;
+    each one's length), decode(ids) -> str with <extra_id_i> sentinels. sentencepiece and tiktoken encode without the
+    GIL, so that threads tokenise in parallel."""
 
-    def encode(self, text):
-        return self.encode_batch([text])[0]
+    def encode_documents(self, texts):
+        ids = self._encode_batch(texts)
+        lengths = np.array([len(x) for x in ids], dtype=np.int64)
+        flat = np.concatenate(ids)
+        if flat.min() < 0 or flat.max() >= min(self.vocab_size, 1 << 16):
+            raise UserError(f"the tokenizer produced id {flat.max()}, outside its vocab of {self.vocab_size} or "
+                            f"uint16")
+        return flat.astype(np.uint16), lengths
 
     def decode(self, ids):
         # sentinels are not in the underlying vocab, so decode the runs between them and spell them out
@@ -171,8 +178,13 @@ class SentencePieceTokenizer(_Tokenizer):
         self.eos_id, self.pad_id = self.sp.eos_id(), self.sp.pad_id()
         self.first_sentinel_id = self.vocab_size - 1
 
-    def encode_batch(self, texts, add_eos=False):
-        return self.sp.encode(texts, add_eos=add_eos, num_threads=1)  # the parallelism is prepare's processes
+    def encode(self, text):
+        return self.sp.encode(text)
+
+    def _encode_batch(self, texts):
+        # int arrays, not lists: building a Python int per token is the one part of encoding that holds the GIL.
+        # One thread: the parallelism is prepare's threads, each with its own chunk
+        return self.sp.encode(texts, add_eos=True, num_threads=1, out_type="numpy")
 
     def _decode_pieces(self, ids):
         return self.sp.decode(ids)
@@ -194,10 +206,12 @@ class Gpt2Tokenizer(_Tokenizer):
         self.pad_id = self.first_sentinel_id + 1
         self.vocab_size = self.pad_id + 1
 
-    def encode_batch(self, texts, add_eos=False):
-        # ordinary: text that happens to contain "<|endoftext|>" is just text
-        ids = self.enc.encode_ordinary_batch(texts, num_threads=1)
-        return [x + [self.eos_id] for x in ids] if add_eos else ids
+    # ordinary: text that happens to contain "<|endoftext|>" is just text
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def _encode_batch(self, texts):
+        return [self.enc.encode_ordinary(text) + [self.eos_id] for text in texts]
 
     def _decode_pieces(self, ids):
         return self.enc.decode(ids)
@@ -310,23 +324,57 @@ def pydoc_documents():
             yield "\n\n".join(d for d in docstrings if d)
 
 
-def _local_split(path, text_field):
-    import datasets
+def _json_lines(path, text_field):
+    # pyarrow, told the one field we need, parses in its own threads and skips every other field: a third of the
+    # CPU time of datasets' json builder, which parses every field in one thread, and tokenising needs the cores
+    import pyarrow as pa
+    import pyarrow.json as paj
+    options = paj.ParseOptions(explicit_schema=pa.schema([(text_field, pa.string())]),
+                               unexpected_field_behavior="ignore")
+    try:
+        for i, batch in enumerate(paj.open_json(pa.input_stream(path), parse_options=options)):  # .gz decompressed
+            texts = batch.column(0)
+            if i == 0 and texts.null_count == len(texts):
+                fields = paj.open_json(pa.input_stream(path)).schema.names
+                raise UserError(f"{path} has no '{text_field}' field (it has {', '.join(fields)}): set --text_field")
+            yield texts.to_pylist()
+    except pa.ArrowInvalid as e:  # e.g. "JSON parse error: Column(/text) changed from string to number in row 0"
+        raise UserError(f"{path} is not JSON Lines with a string '{text_field}' field: {e}") from None
+
+
+def _local_batches(path, text_field):
+    """Lists of the text_field values of a local file (None for a record without one)."""
     name = os.path.basename(path).lower()
+    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+        import pyarrow as pa
+        with pa.input_stream(path) as f:
+            head = f.read(1 << 12).lstrip(b"\xef\xbb\xbf \t\r\n")  # after a byte order mark and blank lines
+        if not head:
+            return []
+        if not head.startswith(b"["):  # JSON Lines (C4's .json files are); datasets reads a JSON array below
+            return _json_lines(path, text_field)
+    import datasets
     if name.endswith((".txt", ".txt.gz")):
         # documents are paragraphs, separated by blank lines
-        return datasets.load_dataset("text", data_files=path, split="train", streaming=True, sample_by="paragraph")
-    builder = "parquet" if name.endswith(".parquet") else "json"
-    return datasets.load_dataset(builder, data_files=path, split="train", streaming=True)
+        split = datasets.load_dataset("text", data_files=path, split="train", streaming=True, sample_by="paragraph")
+    else:
+        split = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=path,
+                                      split="train", streaming=True)
+    return _columns(split, text_field, path)
 
 
-def _texts(split, text_field, source):
+def _columns(split, text_field, source):
     # batches of rows are ~6x faster to read than one dict per row
     for batch in split.iter(batch_size=1000):
         if text_field not in batch:
             raise UserError(f"{source} has no '{text_field}' field (it has {', '.join(batch)}): set --text_field")
-        for text in batch[text_field]:
-            text = text.strip()
+        yield batch[text_field]
+
+
+def _texts(batches):
+    for batch in batches:
+        for text in batch:
+            text = text and text.strip()
             if text:
                 yield text
 
@@ -342,15 +390,15 @@ def documents(dataset, split, text_field="text", val_fraction=0.005):
         if not os.path.isfile(dataset):
             raise UserError(f"input file {dataset} not found (datasets are 'c4', a Hub name, 'pydoc' or a local "
                             f"{'/'.join(LOCAL_EXTENSIONS)} file)")
-        docs = _texts(_local_split(dataset, text_field), text_field, dataset)
+        docs = _texts(_local_batches(dataset, text_field))
     else:
         import datasets
         repo_id, config_name = ("allenai/c4", "en") if name == "c4" else (dataset, None)
         _hub_check(repo_id, "dataset")
         splits = datasets.load_dataset(repo_id, config_name, streaming=True)
         if "validation" in splits:
-            return _texts(splits["train" if split == "train" else "validation"], text_field, dataset)
-        docs = _texts(splits["train"], text_field, dataset)
+            return _texts(_columns(splits["train" if split == "train" else "validation"], text_field, dataset))
+        docs = _texts(_columns(splits["train"], text_field, dataset))
     every = max(2, round(1 / val_fraction))
     return (d for i, d in enumerate(docs) if (i % every == 0) == (split == "val"))
 
@@ -360,7 +408,7 @@ def documents(dataset, split, text_field="text", val_fraction=0.005):
 
 
 def _chunks(docs, chunk_chars=1 << 20):
-    # big chunks amortise the inter-process traffic; a million characters is ~0.3 s of encoding
+    # big enough to amortise handing a chunk to a thread, small enough that all threads stay busy until the end
     chunk, chars = [], 0
     for doc in docs:
         chunk.append(doc)
@@ -372,43 +420,19 @@ def _chunks(docs, chunk_chars=1 << 20):
         yield chunk
 
 
-_worker_tokenizer = None
-
-
-def _init_worker(model_file, pool_worker=True):
-    global _worker_tokenizer
-    if pool_worker:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle, once
-    _worker_tokenizer = _make_tokenizer(model_file)
-
-
-def _encode_chunk(texts):
-    """texts -> (uint16 ids of all of them, each followed by EOS; each document's length)"""
-    tok = _worker_tokenizer
-    ids = tok.encode_batch(texts, add_eos=True)
-    lengths = np.array([len(x) for x in ids], dtype=np.int64)
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
-    if len(flat) and (flat.min() < 0 or flat.max() >= min(tok.vocab_size, 1 << 16)):
-        raise UserError(f"the tokenizer produced id {flat.max()}, outside its vocab of {tok.vocab_size} or uint16")
-    return flat.astype(np.uint16), lengths
-
-
-def encoded_chunks(docs, model_file, num_proc):
-    """(ids, document lengths) for chunks of docs, in order, with at most 2 chunks per worker in flight so that a
-    streamed dataset is never read far ahead."""
-    if num_proc <= 1:
-        _init_worker(model_file, pool_worker=False)
-        yield from map(_encode_chunk, _chunks(docs))
-        return
-    import multiprocessing
-    with multiprocessing.Pool(num_proc, _init_worker, (model_file,)) as pool:
+def encoded_chunks(docs, tok, num_threads):
+    """(ids, document lengths) for chunks of docs, in order. num_threads threads tokenise a chunk each while this one
+    reads the next. Threads, not processes: the tokenizers release the GIL, and no text or ids are copied between
+    processes. At most 2 chunks per thread are in flight, so that a streamed dataset is never read far ahead."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(num_threads) as pool:
         pending = deque()
         for chunk in _chunks(docs):
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
-            if len(pending) >= 2 * num_proc:
-                yield pending.popleft().get()
+            pending.append(pool.submit(tok.encode_documents, chunk))
+            if len(pending) >= 2 * num_threads:
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -437,11 +461,11 @@ class _Progress:
         self.bar.close()
 
 
-def _write_val(docs, model_file, num_proc, path, max_tokens):
+def _write_val(docs, tok, num_threads, path, max_tokens):
     tokens = num_docs = 0
     bar = _Progress("val", None)
     with atomic_write(path) as f:
-        for ids, lengths in encoded_chunks(docs, model_file, num_proc):
+        for ids, lengths in encoded_chunks(docs, tok, num_threads):
             ids = ids[: max_tokens - tokens]
             f.write(ids.tobytes())
             tokens += len(ids)
@@ -453,7 +477,7 @@ def _write_val(docs, model_file, num_proc, path, max_tokens):
     return {"tokens": tokens, "documents": num_docs}
 
 
-def _write_train(docs, model_file, num_proc, out_dir, state, shard_tokens, max_tokens, save_state):
+def _write_train(docs, tok, num_threads, out_dir, state, shard_tokens, max_tokens, save_state):
     """Fill train_NNN.bin shards from the document stream. state['shards'] lists the finished ones, each with the
     position its successor starts at (a document index and a token offset into that document), so that a rerun
     re-tokenises from exactly there."""
@@ -464,7 +488,7 @@ def _write_train(docs, model_file, num_proc, out_dir, state, shard_tokens, max_t
         return  # finished before: the last shard is short only at the end of the data
     bar = _Progress("train", max_tokens if max_tokens < float("inf") else None, initial=done)
     shard = filled = None  # the open .tmp file of the shard being written, and its tokens so far
-    chunks = encoded_chunks(itertools.islice(docs, next_doc, None), model_file, num_proc)
+    chunks = encoded_chunks(itertools.islice(docs, next_doc, None), tok, num_threads)
     chunk_doc = next_doc  # index of the current chunk's first document
 
     def finish_shard(next_doc, next_offset):
@@ -562,10 +586,10 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
                         f"{(1 << 16) - NUM_SENTINELS} pieces")
 
     if state["val"] is None:
-        state["val"] = _write_val(documents(dataset, "val", text_field, val_fraction), model_file, num_proc,
+        state["val"] = _write_val(documents(dataset, "val", text_field, val_fraction), tok, num_proc,
                                   os.path.join(out_dir, "val.bin"), max_val_tokens)
         save_state()
-    _write_train(documents(dataset, "train", text_field, val_fraction), model_file, num_proc, out_dir, state,
+    _write_train(documents(dataset, "train", text_field, val_fraction), tok, num_proc, out_dir, state,
                  shard_tokens, max_train_tokens, save_state)
 
     shards = state["shards"]

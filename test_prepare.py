@@ -2,6 +2,7 @@
 network: the data is a synthetic C4-style JSONL file and a sentencepiece model trained on it."""
 import functools
 import glob
+import gzip
 import json
 import os
 import subprocess
@@ -228,6 +229,9 @@ def test_prepare_bad_input(tmp_path, corpus):
     (tmp_path / "other.jsonl").write_text('{"content": "hello"}\n')
     with pytest.raises(UserError, match="no 'text' field.*content"):
         P.prepare(str(tmp_path / "other.jsonl"), **prepare_args(out))
+    (tmp_path / "number.jsonl").write_text('{"text": 5}\n')
+    with pytest.raises(UserError, match="not JSON Lines with a string 'text' field.*changed from string to number"):
+        P.prepare(str(tmp_path / "number.jsonl"), **prepare_args(out))
     assert not out.exists()
     with pytest.raises(UserError, match="Vocabulary size too high.*--vocab_size"):
         P.prepare(corpus, **prepare_args(out, vocab_size=20000))
@@ -235,6 +239,23 @@ def test_prepare_bad_input(tmp_path, corpus):
     P.prepare(corpus, **prepare_args(tmp_path / "done", max_train_tokens=1000))
     with pytest.raises(UserError, match="other settings.*max_train_tokens 1000 -> 2000"):
         P.prepare(corpus, **prepare_args(tmp_path / "done", max_train_tokens=2000))
+
+
+def test_local_formats_give_the_same_documents(corpus, tmp_path):
+    # JSON Lines is read by pyarrow directly, a JSON array through datasets; gzip either way
+    records = [json.loads(line) for line in open(corpus)]
+    expected = list(P.documents(corpus, "train"))
+    assert len(expected) == 398 and expected[0] == records[1]["text"]
+    with gzip.open(tmp_path / "c4.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    (tmp_path / "array.json").write_text(json.dumps(records, indent=1))
+    for path in (tmp_path / "c4.jsonl.gz", tmp_path / "array.json"):
+        assert list(P.documents(str(path), "train")) == expected
+    # records without a text, or with only whitespace, are not documents
+    (tmp_path / "gaps.jsonl").write_text('\n'.join(json.dumps(r) for r in [
+        {"text": " a "}, {"url": "x"}, {"text": None}, {"text": " \n"}, {"text": "b"}, {"text": "c"}]) + "\n\n")
+    assert list(P.documents(str(tmp_path / "gaps.jsonl"), "train", val_fraction=0.5)) == ["b"]
+    assert list(P.documents(str(tmp_path / "gaps.jsonl"), "val", val_fraction=0.5)) == ["a", "c"]
 
 
 def test_hub_datasets_fail_fast_offline(tmp_path, monkeypatch):
