@@ -93,6 +93,8 @@ def linear(x, weight):
     if (x.device.type != 'cpu' or x.dtype != torch.float32 or torch.is_autocast_enabled('cpu')
             or torch.compiler.is_compiling() or not torch.backends.mkldnn.is_available()):
         return F.linear(x, weight)
+    if not torch.is_grad_enabled():  # generate(): skipping the autograd.Function makes decoding ~7% faster
+        return _onednn_linear(x, weight)
     return _OneDNNLinear.apply(x, weight)
 
 
