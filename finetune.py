@@ -24,9 +24,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from model import T5, UserError, atomic_write, load_checkpoint, save_checkpoint
-from optim import (Logger, StopSignal, checkpoint_state, make_optimizer, param_groups, print0, restore_rng,
-                   setup_runtime, train_step)
+from model import T5, UserError, atomic_write
+from optim import (Logger, StopSignal, checkpoint_state, load_checkpoint, make_optimizer, param_groups, print0,
+                   restore_rng, save_checkpoint, setup_runtime, train_step)
 from prepare import SentencePieceTokenizer, load_tokenizer, t5_spiece
 
 # -----------------------------------------------------------------------------

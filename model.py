@@ -571,7 +571,7 @@ def _read_weights(folder):
                         f"the file is corrupt or truncated, download or save it again")
 
 
-# ---- training checkpoints ----
+# ---- writing files atomically ----
 
 def commit(f, path):
     """Finish a file written under a temporary name: flush it to disk, then rename it to path in one step."""
@@ -593,17 +593,3 @@ def atomic_write(path, mode='wb'):
         if not f.closed:
             f.close()
             os.remove(f.name)
-
-
-def save_checkpoint(path, state):
-    with atomic_write(path) as f:
-        torch.save(state, f)
-
-
-def load_checkpoint(path, map_location='cpu'):
-    if not os.path.isfile(path):
-        raise UserError(f"no checkpoint at {path}; check the path, or train one first with train.py")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:
-        raise UserError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}); delete it or use another")

@@ -393,6 +393,20 @@ class StopSignal:
         return bool(flag.item())
 
 
+def save_checkpoint(path, state):
+    with atomic_write(path) as f:
+        torch.save(state, f)
+
+
+def load_checkpoint(path, map_location="cpu"):
+    if not os.path.isfile(path):
+        raise UserError(f"no checkpoint at {path}; check the path, or train one first with train.py")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:
+        raise UserError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}); delete it or use another")
+
+
 def checkpoint_state(model, optimizer, step, elapsed, config, meta=None):
     """everything a run needs to continue exactly where it stopped"""
     t5 = raw_model(model)

@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 import transformers
 
-from model import (PRESETS, T5, T5Config, UserError, _hf_names, linear, load_checkpoint, relative_position_bucket,
-                   save_checkpoint)
+from model import PRESETS, T5, T5Config, UserError, _hf_names, linear, relative_position_bucket
 
 # small, but with everything that can go wrong: encoder/decoder depths differ, heads * d_kv != d_model,
 # and the tests use sequences longer than relative_attention_max_distance so the log buckets are exercised
@@ -326,17 +325,3 @@ def test_corrupt_weights(tmp_path):
     os.remove(weights)
     with pytest.raises(UserError, match="no model.safetensors"):
         T5.from_pretrained(str(tmp_path))
-
-
-def test_checkpoint_round_trip_and_errors(tmp_path):
-    path = str(tmp_path / "ckpt.pt")
-    save_checkpoint(path, {"step": 3, "w": torch.arange(4)})
-    assert not os.path.exists(path + ".tmp")
-    state = load_checkpoint(path)
-    assert state["step"] == 3 and torch.equal(state["w"], torch.arange(4))
-    with open(path, "r+b") as f:
-        f.truncate(50)
-    with pytest.raises(UserError, match="corrupt"):
-        load_checkpoint(path)
-    with pytest.raises(UserError, match="no checkpoint"):
-        load_checkpoint(str(tmp_path / "missing.pt"))

@@ -14,9 +14,9 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import T5, T5Config, UserError, load_checkpoint, save_checkpoint
-from optim import (Logger, StopSignal, checkpoint_state, get_lr, make_optimizer, param_groups, print0, raw_model,
-                   restore_rng, setup_runtime, train_step)
+from model import T5, T5Config, UserError
+from optim import (Logger, StopSignal, checkpoint_state, get_lr, load_checkpoint, make_optimizer, param_groups, print0,
+                   raw_model, restore_rng, save_checkpoint, setup_runtime, train_step)
 from prepare import SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, prepare
 
 # -----------------------------------------------------------------------------------------------------------------
