@@ -531,7 +531,8 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
     arguments continues an interrupted run, or returns at once if out_dir is complete."""
     settings = {"dataset": dataset, "text_field": text_field, "tokenizer": tokenizer,
                 "vocab_size": vocab_size if tokenizer == "train" else None,
-                "max_train_tokens": max_train_tokens or None, "shard_tokens": shard_tokens, "val_fraction": val_fraction, "max_val_tokens": max_val_tokens}
+                "max_train_tokens": max_train_tokens or None, "shard_tokens": shard_tokens,
+                "val_fraction": val_fraction, "max_val_tokens": max_val_tokens}
     meta_path, state_path = os.path.join(out_dir, "meta.json"), os.path.join(out_dir, "progress.json")
     for path in (meta_path, state_path):
         if os.path.isfile(path):

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import transformers
 
-from model import PRESETS, T5, T5Config, UserError, _hf_names, linear, relative_position_bucket
+from model import PRESETS, T5, GatedGELU, T5Config, UserError, _hf_names, linear, pack_weight, relative_position_bucket
 
 # small, but with everything that can go wrong: encoder/decoder depths differ, heads * d_kv != d_model,
 # and the tests use sequences longer than relative_attention_max_distance so the log buckets are exercised
@@ -129,6 +129,30 @@ def test_linear_matches_f_linear():
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, ref_grads))
     with torch.autocast("cpu", torch.bfloat16):
         assert linear(x, weight).dtype == torch.bfloat16  # autocast keeps its own bf16 kernel
+
+
+def test_packed_weights_and_fused_feed_forward():
+    # generate() prepacks the decoder's weights, and without grad the feed-forward fuses GELU and the product into
+    # oneDNN's matmuls: same numbers as the plain path, to fp32 rounding
+    torch.manual_seed(0)
+    x, weight = torch.randn(8, 1, 16), torch.randn(5, 16)
+    packed = pack_weight(weight, rows=8)
+    assert packed.is_mkldnn == torch.backends.mkldnn.is_available()
+    assert torch.allclose(linear(x, packed), torch.nn.functional.linear(x, weight), atol=1e-5)
+    assert pack_weight(weight.bfloat16(), rows=8).dtype == torch.bfloat16  # only fp32 is packed
+    ff = GatedGELU(T5Config(**SMALL))
+    for p in ff.parameters():
+        nn.init.normal_(p)
+    x = torch.randn(2, 7, 48)
+    plain = ff(x)  # grad enabled: gelu(x @ wi_0) * (x @ wi_1), written out
+    with torch.no_grad():
+        fused = ff(x)
+        ff.wi_0.packed, ff.wi_1.packed = pack_weight(ff.wi_0.weight, 14), pack_weight(ff.wi_1.weight, 14)
+        fused_packed = ff(x)
+    assert torch.allclose(fused, plain, atol=1e-4) and torch.allclose(fused_packed, plain, atol=1e-4)
+    t5 = T5(T5Config(**SMALL))
+    t5.generate(torch.randint(2, 300, (2, 9)), max_new_tokens=3)
+    assert all(m.packed is None for m in t5.modules() if hasattr(m, "packed"))  # the packed copies are dropped
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -290,7 +314,7 @@ def test_bad_inputs_are_clear_errors():
         model(ids, labels=ids, attention_mask=torch.ones(2, 9, dtype=torch.long))
     with pytest.raises(UserError, match="decoder_input_ids or labels"):
         model(ids)
-    with pytest.raises(UserError, match="input_ids hold 2 rows but the decoder's ids 1"):
+    with pytest.raises(UserError, match="input_ids hold 2 rows, the decoder's ids 1"):
         model(ids, labels=ids[:1])
 
 
