@@ -20,11 +20,13 @@ def _config_error(msg):
 
 def _print_user_errors(exc_type, exc, tb, _default=_sys.excepthook):
     # bad input (missing data, vocab mismatch, corrupt checkpoint...) is raised as model.UserError deep inside the
-    # libraries; the user needs its one-line message, not a traceback through torch
+    # libraries; the user needs its one-line message, not a traceback through torch. Python then exits with code 1.
+    # No sys.exit here: under torchrun, torch.distributed wraps this hook to prefix each line with the rank, and an
+    # exit from inside it would swallow the message.
     if exc_type.__name__ == "UserError":
         print(f"error: {exc}", file=_sys.stderr)
-        _sys.exit(1)
-    _default(exc_type, exc, tb)
+    else:
+        _default(exc_type, exc, tb)
 
 
 _sys.excepthook = _print_user_errors

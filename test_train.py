@@ -137,6 +137,14 @@ def test_two_ddp_ranks_match_one_process(data_dir, tmp_path):
         assert b[step] == pytest.approx(a[step], abs=1e-4), step
 
 
+def test_bad_input_under_torchrun_reaches_the_user(data_dir):
+    # torch.distributed wraps the error hook once the process group is up; the one-line message must get through
+    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
+             "--data_dir=/nonexistent/c4", "--dataset=c4"])
+    assert r.returncode != 0
+    assert "[rank0]: error: /nonexistent/c4 holds no prepared data" in r.stderr, r.stderr
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
     out = str(tmp_path / "out")
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4"]
