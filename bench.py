@@ -23,10 +23,11 @@ import time
 import numpy as np
 import torch
 
-from model import T5, T5Config, UserError
-from optim import make_optimizer, param_groups, print0, setup_runtime, train_step
+from model import T5, T5Config
+from optim import make_optimizer, param_groups, train_step
 from prepare import (SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, span_corrupt,
                      span_corrupt_per_example)
+from runtime import UserError, print0, setup_runtime
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config; --key=value overrides any of these
@@ -54,7 +55,7 @@ grad_clip = 1.0
 # timing
 burn_in = 3  # untimed calls first: compilation, allocator and thread-pool warm-up, optimizer state creation
 steps = 10  # timed calls (per side when two are compared)
-peak_flops = 0.0  # dense peak FLOP/s for MFU; 0 -> optim.PEAK_FLOPS for known GPUs
+peak_flops = 0.0  # dense peak FLOP/s for MFU; 0 -> runtime.PEAK_FLOPS for known GPUs
 # system
 device = "auto"
 dtype = "bfloat16"

@@ -24,10 +24,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from model import T5, UserError, atomic_write
-from optim import (Logger, StopSignal, checkpoint_state, load_checkpoint, make_optimizer, param_groups, print0,
-                   restore_rng, save_checkpoint, setup_runtime, train_step)
+from model import T5
+from optim import make_optimizer, param_groups, train_step
 from prepare import SentencePieceTokenizer, load_tokenizer, t5_spiece
+from runtime import (Checkpointer, Logger, UserError, atomic_write, checkpoint_state, load_checkpoint, print0,
+                     restore_rng, setup_runtime)
 
 # -----------------------------------------------------------------------------
 # default config values, those of nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data setup
@@ -36,8 +37,6 @@ data_dir = "natural-instructions"  # a clone of allenai/natural-instructions
 init_from = "out/ckpt.pt"  # a train.py/finetune.py checkpoint, a Hugging Face T5 name or folder, or 'resume'
 out_dir = "out-finetune"
 eval_only = False  # only evaluate init_from on the test tasks
-log_interval = 10
-checkpoint_interval = 1000  # optimizer steps between checkpoints, so a killed run loses little
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "finetune"
@@ -54,13 +53,19 @@ grad_clip = 0.0
 batch_size = 8  # examples per optimizer step, over all micro steps and DDP ranks
 grad_accum_steps = 1
 epochs = 2
+max_steps = 0  # optimizer steps; 0: as many as `epochs` passes over the train examples take
 dropout = 0.1  # T5's fine-tuning dropout; pre-training runs without
+# intervals, in optimizer steps, as in train.py
+eval_interval = 0  # Rouge-L on the test tasks every eval_interval steps; 0: only at the end
+log_interval = 10
+checkpoint_interval = 1000  # so that a killed run loses little
 # evaluation
 eval_batch_size = 32
 max_new_tokens = 128
 # system
 device = "auto"  # cuda > mps > cpu
 dtype = "float32"  # the paper's fine-tuning numbers are fp32; 'bfloat16' is faster on GPUs that have it
+compile = False  # batches are padded to their longest prompt, so every new length would compile again
 seed = 1337
 # -----------------------------------------------------------------------------
 
@@ -267,20 +272,21 @@ if __name__ == "__main__":
     step = ckpt["step"] if resuming else 0  # optimizer steps done
     elapsed = ckpt["elapsed"] if resuming else 0.0
     steps_per_epoch = len(train_examples) // batch_size
-    max_steps = epochs * steps_per_epoch
     if not eval_only and not steps_per_epoch:
         raise UserError(f"{len(train_examples)} train examples make no full batch of {batch_size}: "
                         f"lower batch_size or raise max_num_instances_per_task")
+    max_steps = 0 if eval_only else max_steps or epochs * steps_per_epoch
     if not eval_only:
         opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr)
         if resuming:
             opt.load_state_dict(ckpt["optimizer"])
             restore_rng(ckpt)
     ckpt = None  # free the checkpoint's copy of the weights
-    ddp_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp else model
+    train_model = torch.compile(model, dynamic=True) if compile else model
+    if rt.ddp:
+        train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
     logger = Logger(out_dir, rt.master, resume_step=step if resuming else None, wandb_log=wandb_log,
                     wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
-    stop = StopSignal()
 
     @lru_cache(maxsize=1)
     def epoch_order(epoch):
@@ -298,15 +304,39 @@ if __name__ == "__main__":
             return tuple(t.to(rt.device) for t in collate(examples, model.config.pad_token_id))
         return get_batch
 
-    def save():
-        if rt.master:
-            save_checkpoint(ckpt_path, checkpoint_state(ddp_model, opt, step, elapsed, config, meta))
+    def evaluate():
+        """Greedy predictions for every test example, spread over the ranks; rank 0 scores them and writes
+        predictions.jsonl and metrics.json (each atomically, so a killed run never leaves half a file)."""
+        model.eval()
+        predictions = generate_predictions(model, test_examples, tokenizer, eval_batch_size, max_new_tokens,
+                                           rt.device, rt.autocast, rt.rank, rt.world_size)
+        model.train()
+        if rt.ddp:
+            shards = [None] * rt.world_size
+            torch.distributed.all_gather_object(shards, predictions)
+            predictions = [p for shard in shards for p in shard]
+        if not rt.master:
+            return
+        texts = dict(predictions)
+        records = [dict(task=ex["task"], id=ex["id"], prompt=ex["prompt"], prediction=texts[i],
+                        references=ex["references"]) for i, ex in enumerate(test_examples)]
+        metrics = dict(compute_metrics(records), step=step, init_from=init_from)
+        with atomic_write(os.path.join(out_dir, "predictions.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        with atomic_write(os.path.join(out_dir, "metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+        logger.log({"step": step, "rougeL": metrics["rougeL"], "exact_match": metrics["exact_match"]})
+        print0(f"step {step}: Rouge-L {metrics['rougeL']:.2f} | exact match {metrics['exact_match']:.2f} on "
+               f"{metrics['num_examples']:,} test examples of {len(metrics['per_task'])} tasks; "
+               f"predictions in {out_dir}/predictions.jsonl")
 
+    checkpoints = Checkpointer(ckpt_path, checkpoint_interval, rt,
+                               lambda: checkpoint_state(train_model, opt, step, elapsed, config, meta), step)
     model.train()
     t_log, steps_since_log = time.time(), 0
-    while not eval_only and step < max_steps:
+    while step < max_steps:
         t0 = time.time()
-        loss, grad_norm = train_step(ddp_model, opt, micro_batches(step), grad_accum_steps, lr, grad_clip, 0.0,
+        loss, grad_norm = train_step(train_model, opt, micro_batches(step), grad_accum_steps, lr, grad_clip, 0.0,
                                      rt.autocast, rt.ddp)
         step += 1
         elapsed += time.time() - t0
@@ -319,37 +349,15 @@ if __name__ == "__main__":
             print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | loss {loss.item():.4f} | "
                    f"grad norm {grad_norm.item():.3f} | {1000 * dt:.0f} ms/step | "
                    f"eta {(max_steps - step) * dt / 3600:.2f} h")
-        stopping = stop.agreed(rt)
-        if stopping or step % checkpoint_interval == 0 or step == max_steps:
-            save()
-        if stopping:
+        if eval_interval and step % eval_interval == 0 and step < max_steps:
+            evaluate()
+        if checkpoints.after_step(step):
             break
-
-    stop.release()  # from here on a signal ends the program at once: no training step is coming
+    checkpoints.finish(step)
     if step < max_steps:
-        print0(f"stopped by signal at step {step}; continue with --init_from=resume --out_dir={out_dir}")
+        print0(f"continue with --init_from=resume --out_dir={out_dir}")
     else:
-        model.eval()
-        predictions = generate_predictions(model, test_examples, tokenizer, eval_batch_size, max_new_tokens,
-                                           rt.device, rt.autocast, rt.rank, rt.world_size)
-        if rt.ddp:
-            shards = [None] * rt.world_size
-            torch.distributed.all_gather_object(shards, predictions)
-            predictions = [p for shard in shards for p in shard]
-        if rt.master:
-            texts = dict(predictions)
-            records = [dict(task=ex["task"], id=ex["id"], prompt=ex["prompt"], prediction=texts[i],
-                            references=ex["references"]) for i, ex in enumerate(test_examples)]
-            metrics = dict(compute_metrics(records), step=step, init_from=init_from)
-            # written aside and renamed into place, so a killed run never leaves half a file under these names
-            with atomic_write(os.path.join(out_dir, "predictions.jsonl"), "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in records)
-            with atomic_write(os.path.join(out_dir, "metrics.json"), "w") as f:
-                json.dump(metrics, f, indent=2)
-            logger.log({"step": step, "rougeL": metrics["rougeL"], "exact_match": metrics["exact_match"]})
-            print0(f"step {step}: Rouge-L {metrics['rougeL']:.2f} | exact match {metrics['exact_match']:.2f} on "
-                   f"{metrics['num_examples']:,} test examples of {len(metrics['per_task'])} tasks; "
-                   f"predictions in {out_dir}/predictions.jsonl")
+        evaluate()
 
     if rt.ddp:
         torch.distributed.destroy_process_group()

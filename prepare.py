@@ -20,7 +20,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from model import UserError, atomic_write, commit
+from runtime import UserError, atomic_write, commit, micro_batch_size
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config for `python prepare.py`; --key=value overrides any of these
@@ -679,10 +679,7 @@ class SpanCorruptionBatches:
     def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
         """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: slice micro_step *
         world_size + rank of the global batch of `step`, b = batch_size / (grad_accum_steps * world_size)."""
-        b = self.batch_size // (grad_accum_steps * world_size)
-        if b * grad_accum_steps * world_size != self.batch_size:
-            raise UserError(f"batch_size={self.batch_size} must split evenly into grad_accum_steps="
-                            f"{grad_accum_steps} x {world_size} ranks")
+        b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
         if self._batch[0] != step:
             self._batch = (step, self._global_batch(step))
         i = (micro_step * world_size + rank) * b

@@ -15,7 +15,7 @@ import torch
 
 from finetune import build_prompt, collate, compute_metrics, exact_match, load_split, rouge_l, tokenize_example
 from model import T5, T5Config, UserError
-from optim import checkpoint_state, save_checkpoint
+from runtime import checkpoint_state, save_checkpoint
 from prepare import prepare
 
 REPO = os.path.dirname(os.path.abspath(__file__))

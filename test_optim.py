@@ -1,13 +1,12 @@
 import io
 import math
-import os
 
 import pytest
 import torch
 from torch import nn
 
 from model import UserError
-from optim import AdamWScale, Adafactor, get_lr, load_checkpoint, make_optimizer, param_groups, save_checkpoint
+from optim import AdamWScale, Adafactor, get_lr, make_optimizer, param_groups
 
 
 def adamwscale_by_hand(p, grads, lr, weight_decay, b1=0.9, b2=0.999, eps=1e-6):
@@ -157,17 +156,3 @@ def test_make_optimizer():
     assert isinstance(make_optimizer("adamw", groups, 1e-3), torch.optim.AdamW)
     with pytest.raises(UserError, match="adamwscale, adafactor, adamw"):
         make_optimizer("sgd", groups, 1e-2)
-
-
-def test_checkpoint_round_trip_and_errors(tmp_path):
-    path = str(tmp_path / "ckpt.pt")
-    save_checkpoint(path, {"step": 3, "w": torch.arange(4)})
-    assert not os.path.exists(path + ".tmp")
-    state = load_checkpoint(path)
-    assert state["step"] == 3 and torch.equal(state["w"], torch.arange(4))
-    with open(path, "r+b") as f:
-        f.truncate(50)
-    with pytest.raises(UserError, match="corrupt"):
-        load_checkpoint(path)
-    with pytest.raises(UserError, match="no checkpoint"):
-        load_checkpoint(str(tmp_path / "missing.pt"))

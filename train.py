@@ -14,10 +14,11 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import T5, T5Config, UserError
-from optim import (Logger, StopSignal, checkpoint_state, get_lr, load_checkpoint, make_optimizer, param_groups, print0,
-                   raw_model, restore_rng, save_checkpoint, setup_runtime, train_step)
+from model import T5, T5Config
+from optim import get_lr, make_optimizer, param_groups, train_step
 from prepare import SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, prepare
+from runtime import (Checkpointer, Logger, UserError, checkpoint_state, load_checkpoint, print0, raw_model, restore_rng,
+                     setup_runtime)
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override any of these
@@ -114,7 +115,6 @@ train_data = SpanCorruptionBatches(data_dir, "train", *data_args)
 val_data = SpanCorruptionBatches(data_dir, "val", *data_args)
 logger = Logger(out_dir, rt.master, resume_step=step if init_from == "resume" else None, wandb_log=wandb_log,
                 wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
-stop = StopSignal()
 
 
 def micro_batches(data, step):
@@ -144,16 +144,8 @@ def evaluate():
     return val_loss, val_acc
 
 
-def save():
-    global saved_step
-    if rt.master:
-        save_checkpoint(ckpt_path, checkpoint_state(t5, opt, step, elapsed, config, meta))
-    saved_step = step
-
-
-saved_step = step
-
-
+checkpoints = Checkpointer(ckpt_path, checkpoint_interval, rt,
+                           lambda: checkpoint_state(t5, opt, step, elapsed, config, meta), step)
 budget_s = time_budget_hours * 3600
 t5.train()
 t_log, steps_since_log = time.time(), 0
@@ -192,13 +184,9 @@ while step < max_steps and (budget_s == 0 or elapsed < budget_s):
         val_loss, val_acc = evaluate()
         logger.log({"step": step, "val_loss": val_loss, "val_acc": val_acc})
         print0(f"step {step:6d} | val loss {val_loss:.4f} | val acc {val_acc:.4f}")
-    if stop.agreed(rt):
-        print0(f"stopped by signal at step {step}")
+    if checkpoints.after_step(step):
         break
-    if step % checkpoint_interval == 0:
-        save()
-if saved_step != step:
-    save()
+checkpoints.finish(step)
 print0(f"{step} steps in {elapsed / 3600:.2f} h; checkpoint in {ckpt_path} (continue with --init_from=resume)")
 
 if rt.ddp:
