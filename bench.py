@@ -25,8 +25,7 @@ import torch
 
 from model import T5, T5Config
 from optim import make_optimizer, param_groups, train_step
-from prepare import (SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, span_corrupt,
-                     span_corrupt_per_example)
+from prepare import SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, span_corrupt
 from runtime import UserError, print0, setup_runtime
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -243,6 +242,7 @@ def bench_data():
         # a fresh rng every call: every call does the same work
         return lambda: implementation(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id,
                                       np.random.default_rng(seed))
+    from test_prepare import span_corrupt_per_example  # the reference implementation lives with its test
     reference = ("batched again", corrupt(span_corrupt)) if compare == "null" else \
         ("per example", corrupt(span_corrupt_per_example))
     side_by_side(("batched", corrupt(span_corrupt)), reference, rows * raw_length, "tok", lambda: None)

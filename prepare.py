@@ -7,8 +7,9 @@ Turns a text corpus into uint16 token shards for T5 pre-training, and reads them
 out_dir gets train_000.bin, train_001.bin, ... (shard_tokens uint16 ids each, the last one shorter), val.bin, the
 tokenizer model and meta.json. Every document ends with EOS. Killed runs continue where they stopped when the same
 command is run again: finished shards are kept, everything else is only ever written under a .tmp name.
-train.py imports the rest: compute_input_and_target_lengths, span_corrupt and SpanCorruptionBatches, a batch
-stream whose global batch at step k is a pure function of (seed, k).
+The file reads in that order: span corruption, then the batch stream train.py reads (SpanCorruptionBatches, whose
+global batch at step k is a pure function of (seed, k)), then prepare() writing the shards; after them the plumbing:
+tokenising in threads, the sources (C4, Hub datasets, local files, pydoc) and the tokenizers.
 """
 import itertools
 import json
@@ -102,175 +103,95 @@ def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_i
     return np.concatenate([inputs, eos], axis=1), np.concatenate([targets, eos], axis=1)
 
 
-def span_corrupt_per_example(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rng):
-    """The straightforward version of span_corrupt: one example at a time, step by step as T5's
-    random_spans_noise_mask describes it. span_corrupt must match it in distribution (test_prepare.py checks), and
-    bench.py --part=data times the two against each other."""
-    L = tokens.shape[1]
-    num_noise, num_spans = _noise_counts(L, noise_density, mean_noise_span_length)
-
-    def random_segmentation(num_items):
-        # shuffle num_spans - 1 segment starts among items 1..num_items-1; item 0 always starts a segment
-        is_start = [1] + list(rng.permutation([1] * (num_spans - 1) + [0] * (num_items - num_spans)))
-        lengths = []
-        for start in is_start:
-            if start:
-                lengths.append(0)
-            lengths[-1] += 1
-        return lengths
-
-    all_inputs, all_targets = [], []
-    for row in tokens:
-        is_noise = []
-        for kept, noise in zip(random_segmentation(L - num_noise), random_segmentation(num_noise)):
-            is_noise += [False] * kept + [True] * noise
-        inputs, targets, sentinel = [], [], first_sentinel_id + 1
-        for i, token in enumerate(row):
-            if is_noise[i] and not is_noise[i - 1]:  # a noise span starts (position 0 is never noise)
-                sentinel -= 1
-                inputs.append(sentinel)
-                targets.append(sentinel)
-            (targets if is_noise[i] else inputs).append(int(token))
-        all_inputs.append(inputs + [eos_id])
-        all_targets.append(targets + [eos_id])
-    return np.array(all_inputs, dtype=np.int64), np.array(all_targets, dtype=np.int64)
-
-
 # -----------------------------------------------------------------------------------------------------------------
-# tokenizers: sentencepiece (T5's or a new one) or GPT-2's BPE, each with 100 sentinels appended to its vocab
+# the batch stream
 
 
-class _Tokenizer:
-    """encode(str) -> list of ids, encode_documents(list of str) -> (uint16 ids of all of them, each followed by EOS;
-    each one's length), decode(ids) -> str with <extra_id_i> sentinels. sentencepiece and tiktoken encode without the
-    GIL, so that threads tokenise in parallel."""
+class SpanCorruptionBatches:
+    """Span-corrupted batches of raw_length windows of a prepared folder. The global batch of optimizer step k is a
+    pure function of (seed, k): its windows come from a seeded permutation of all windows per epoch, its noise from
+    an rng seeded with (seed, k). Each micro-step and DDP rank takes its own slice, so resuming at step k, running
+    on more GPUs or changing grad_accum_steps changes nothing about the data. Validation uses the windows of val.bin
+    in order and noise that ignores the seed, so eval losses compare across runs."""
 
-    def encode_documents(self, texts):
-        ids = self._encode_batch(texts)
-        lengths = np.array([len(x) for x in ids], dtype=np.int64)
-        flat = np.concatenate(ids)
-        if flat.min() < 0 or flat.max() >= min(self.vocab_size, 1 << 16):
-            raise UserError(f"the tokenizer produced id {flat.max()}, outside its vocab of {self.vocab_size} or "
-                            f"uint16")
-        return flat.astype(np.uint16), lengths
+    def __init__(self, data_dir, split, batch_size, input_length, noise_density, mean_noise_span_length, seed,
+                 vocab_size):
+        self.meta = load_meta(data_dir)
+        if vocab_size != self.meta["model_vocab_size"]:
+            raise UserError(f"{data_dir} was tokenised with '{self.meta['tokenizer']}' for a model vocab of "
+                            f"{self.meta['model_vocab_size']}, but the model's vocab_size is {vocab_size}: use "
+                            f"data prepared with the model's tokenizer")
+        self.split, self.batch_size, self.seed, self.vocab_size = split, batch_size, seed, vocab_size
+        self.input_length, self.noise_density, self.mean_noise_span_length = (
+            input_length, noise_density, mean_noise_span_length)
+        self.raw_length, self.targets_length = compute_input_and_target_lengths(
+            input_length, noise_density, mean_noise_span_length)
+        self.files = [os.path.join(data_dir, f) for f in (self.meta["train_shards"] if split == "train"
+                                                          else ["val.bin"])]
+        for path in self.files:
+            if not os.path.isfile(path):
+                raise UserError(f"{path} is missing: re-run prepare.py for {data_dir}")
+        self.shards = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.files]
+        # non-overlapping windows within each shard; the < raw_length tokens at each shard's end are dropped
+        windows = [len(s) // self.raw_length for s in self.shards]
+        self.num_windows = sum(windows)
+        if self.num_windows == 0:
+            raise UserError(f"the {split} data in {data_dir} has fewer than {self.raw_length} tokens, not one "
+                            f"window: prepare more data or lower input_length")
+        self.first_window = np.cumsum([0] + windows)  # of each shard
+        self._permutation = (None, None)  # (epoch, permutation of all windows)
+        self._batch = (None, None)  # (step, global batch): the micro-steps of a step share it
+        self._staging = None  # pinned host buffer for CUDA
 
-    def decode(self, ids):
-        # sentinels are not in the underlying vocab, so decode the runs between them and spell them out
-        text, run = [], []
-        for i in ids:
-            i = int(i)
-            if i > self.first_sentinel_id - NUM_SENTINELS and i <= self.first_sentinel_id:
-                text.append(self._decode_pieces(run) + f"<extra_id_{self.first_sentinel_id - i}>")
-                run = []
-            elif i != self.pad_id and i < self.vocab_size:  # the model's vocab is padded past the tokenizer's
-                run.append(i)
-        return "".join(text) + self._decode_pieces(run)
+    def _windows(self, step):
+        sample = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+        if self.split != "train":
+            return sample % self.num_windows
+        windows = np.empty_like(sample)
+        epoch = sample // self.num_windows
+        for e in np.unique(epoch):  # a batch spans at most two epochs unless the data is tiny
+            if self._permutation[0] != e:
+                self._permutation = (e, np.random.default_rng([self.seed, 0, e]).permutation(self.num_windows))
+            windows[epoch == e] = self._permutation[1][sample[epoch == e] % self.num_windows]
+        return windows
 
+    def _global_batch(self, step):
+        windows = self._windows(step)
+        shard = np.searchsorted(self.first_window, windows, side="right") - 1
+        start = (windows - self.first_window[shard]) * self.raw_length
+        raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shard, start)])  # (B, raw_length)
+        top = int(raw.max())
+        if top >= self.vocab_size:
+            bad = self.files[shard[np.nonzero(raw.max(axis=1) == top)[0][0]]]
+            raise UserError(f"{bad} holds token id {top}, beyond the model's vocab_size {self.vocab_size}: the data "
+                            f"is corrupt or from another tokenizer; re-run prepare.py")
+        rng = np.random.default_rng([self.seed, 1, step] if self.split == "train" else [2, step])
+        inputs, targets = span_corrupt(raw, self.noise_density, self.mean_noise_span_length,
+                                       self.meta["first_sentinel_id"], self.meta["eos_id"], rng)
+        return np.concatenate([inputs, targets], axis=1)  # (B, input_length + targets_length)
 
-class SentencePieceTokenizer(_Tokenizer):
-    """T5's convention: pad 0, eos 1, unk 2, and <extra_id_i> = pieces + 99 - i (32099 - i for T5's 32000 pieces)."""
-
-    def __init__(self, model_file):
-        import sentencepiece as spm
-        self.model_file = model_file
-        self.sp = spm.SentencePieceProcessor(model_file=model_file)
-        self.vocab_size = self.sp.get_piece_size() + NUM_SENTINELS
-        self.eos_id, self.pad_id = self.sp.eos_id(), self.sp.pad_id()
-        self.first_sentinel_id = self.vocab_size - 1
-
-    def encode(self, text):
-        return self.sp.encode(text)
-
-    def _encode_batch(self, texts):
-        # int arrays, not lists: building a Python int per token is the one part of encoding that holds the GIL.
-        # One thread: the parallelism is prepare's threads, each with its own chunk
-        return self.sp.encode(texts, add_eos=True, num_threads=1, out_type="numpy")
-
-    def _decode_pieces(self, ids):
-        return self.sp.decode(ids)
-
-
-class Gpt2Tokenizer(_Tokenizer):
-    """tiktoken's GPT-2 BPE: eos is <|endoftext|> 50256, <extra_id_i> = 50356 - i, and pad is one more id, 50357."""
-
-    def __init__(self):
-        import tiktoken
-        try:
-            self.enc = tiktoken.get_encoding("gpt2")
-        except OSError as e:
-            raise UserError(f"tiktoken could not download GPT-2's BPE files ({type(e).__name__}); offline, use "
-                            f"--tokenizer=train or a local sentencepiece .model file") from None
-        self.model_file = None
-        self.eos_id = self.enc.eot_token
-        self.first_sentinel_id = self.enc.n_vocab + NUM_SENTINELS - 1
-        self.pad_id = self.first_sentinel_id + 1
-        self.vocab_size = self.pad_id + 1
-
-    # ordinary: text that happens to contain "<|endoftext|>" is just text
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)
-
-    def _encode_batch(self, texts):
-        return [self.enc.encode_ordinary(text) + [self.eos_id] for text in texts]
-
-    def _decode_pieces(self, ids):
-        return self.enc.decode(ids)
-
-
-def _make_tokenizer(model_file):
-    return SentencePieceTokenizer(model_file) if model_file else Gpt2Tokenizer()
-
-
-def _hub_check(repo_id, repo_type, hint=OFFLINE_OPTIONS):
-    """Fail in seconds, not after minutes of retries, when the Hub can't be reached or has no such repo."""
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import RepositoryNotFoundError
-    if constants.HF_HUB_OFFLINE:
-        raise UserError(f"HF_HUB_OFFLINE is set, so {repo_id} can't be downloaded: {hint}")
-    try:
-        HfApi().repo_info(repo_id, repo_type=repo_type, timeout=3)
-    except RepositoryNotFoundError:
-        raise UserError(f"no {repo_type} named '{repo_id}' on the Hugging Face Hub (or it is private): check the "
-                        f"name, or {hint}") from None
-    except Exception as e:  # the http client's own connection and timeout errors
-        raise UserError(f"can't reach the Hugging Face Hub for {repo_id} ({type(e).__name__}), are you offline? "
-                        f"{hint}") from None
-
-
-def t5_spiece():
-    """T5 v1.1's sentencepiece model (shared by t5-v1_1, flan-t5 and nanoT5), from the Hub cache or the Hub."""
-    from huggingface_hub import hf_hub_download
-    try:
-        return hf_hub_download("google/t5-v1_1-base", "spiece.model", local_files_only=True)
-    except FileNotFoundError:  # not cached yet
-        _hub_check("google/t5-v1_1-base", "model", "pass a local copy of T5's spiece.model instead")
-        return hf_hub_download("google/t5-v1_1-base", "spiece.model")
-
-
-def _train_spiece(texts, vocab_size, max_chars=20_000_000):
-    """A unigram sentencepiece model with T5's special ids, trained on the first max_chars characters of texts."""
-    import io
-    import sentencepiece as spm
-
-    def lines():
-        chars = 0
-        for text in texts:
-            for line in text.splitlines():
-                if line.strip():
-                    yield line
-                    chars += len(line)
-            if chars >= max_chars:
-                return
-
-    model = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(sentence_iterator=lines(), model_writer=model, vocab_size=vocab_size,
-                                       model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
-                                       num_threads=8, minloglevel=2)  # fixed: the model depends on it
-    except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to a value <= 3012."
-        reason = str(e).split("] ")[-1].rstrip(".")
-        raise UserError(f"sentencepiece training failed: {reason}; adjust --vocab_size") from None
-    return model.getvalue()
+    def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
+        """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: slice micro_step *
+        world_size + rank of the global batch of `step`, b = batch_size / (grad_accum_steps * world_size)."""
+        b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
+        if self._batch[0] != step:
+            self._batch = (step, self._global_batch(step))
+        i = (micro_step * world_size + rank) * b
+        rows = self._batch[1][i: i + b]
+        # one flat buffer holds both, so that a single copy moves them
+        flat = torch.from_numpy(np.concatenate([rows[:, : self.input_length].ravel(),
+                                                rows[:, self.input_length:].ravel()]))
+        device = torch.device(device)
+        if device.type == "cuda":
+            if self._staging is None or self._staging[0].shape != flat.shape:
+                self._staging = (torch.empty(flat.shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            else:
+                self._staging[1].synchronize()  # the previous copy out of the buffer must be done before refilling
+            self._staging[0].copy_(flat)
+            flat = self._staging[0].to(device, non_blocking=True)
+            self._staging[1].record()
+        n = b * self.input_length
+        return flat[:n].view(b, self.input_length), flat[n:].view(b, self.targets_length)
 
 
 def load_meta(data_dir):
@@ -293,146 +214,6 @@ def load_tokenizer(meta_or_data_dir):
     if model_file and not os.path.isfile(model_file):
         raise UserError(f"tokenizer model {model_file} is missing: re-run prepare.py for {meta['data_dir']}")
     return _make_tokenizer(model_file)
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# sources: every one is an iterator of document strings, the same ones in the same order on every run
-
-
-def pydoc_documents():
-    """Python's own documentation, ~2 MB of English that needs no download: the pydoc topics (the language
-    reference), then for each standard-library module its docstring and those of its classes and functions."""
-    import ast
-    import sysconfig
-    import pydoc_data.topics
-    for name in sorted(pydoc_data.topics.topics):
-        yield pydoc_data.topics.topics[name]
-    root = sysconfig.get_paths()["stdlib"]
-    for folder, subfolders, files in os.walk(root):
-        # the test suites' docstrings are mostly one-line "Test that ..." notes
-        subfolders[:] = sorted(d for d in subfolders if d not in ("site-packages", "test", "tests", "__pycache__"))
-        for file in sorted(files):
-            if not file.endswith(".py"):
-                continue
-            try:
-                with open(os.path.join(folder, file), encoding="utf-8") as f:
-                    tree = ast.parse(f.read())
-            except (SyntaxError, UnicodeDecodeError, ValueError):  # lib2to3's deliberately broken test data
-                continue
-            docstrings = [ast.get_docstring(node) for node in ast.walk(tree) if isinstance(
-                node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-            yield "\n\n".join(d for d in docstrings if d)
-
-
-def _json_lines(path, text_field):
-    # pyarrow, told the one field we need, parses in its own threads and skips every other field: a third of the
-    # CPU time of datasets' json builder, which parses every field in one thread, and tokenising needs the cores
-    import pyarrow as pa
-    import pyarrow.json as paj
-    options = paj.ParseOptions(explicit_schema=pa.schema([(text_field, pa.string())]),
-                               unexpected_field_behavior="ignore")
-    try:
-        for i, batch in enumerate(paj.open_json(pa.input_stream(path), parse_options=options)):  # .gz decompressed
-            texts = batch.column(0)
-            if i == 0 and texts.null_count == len(texts):
-                fields = paj.open_json(pa.input_stream(path)).schema.names
-                raise UserError(f"{path} has no '{text_field}' field (it has {', '.join(fields)}): set --text_field")
-            yield texts.to_pylist()
-    except pa.ArrowInvalid as e:  # e.g. "JSON parse error: Column(/text) changed from string to number in row 0"
-        raise UserError(f"{path} is not JSON Lines with a string '{text_field}' field: {e}") from None
-
-
-def _local_batches(path, text_field):
-    """Lists of the text_field values of a local file (None for a record without one)."""
-    name = os.path.basename(path).lower()
-    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
-        import pyarrow as pa
-        with pa.input_stream(path) as f:
-            head = f.read(1 << 12).lstrip(b"\xef\xbb\xbf \t\r\n")  # after a byte order mark and blank lines
-        if not head:
-            return []
-        if not head.startswith(b"["):  # JSON Lines (C4's .json files are); datasets reads a JSON array below
-            return _json_lines(path, text_field)
-    import datasets
-    if name.endswith((".txt", ".txt.gz")):
-        # documents are paragraphs, separated by blank lines
-        split = datasets.load_dataset("text", data_files=path, split="train", streaming=True, sample_by="paragraph")
-    else:
-        split = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=path,
-                                      split="train", streaming=True)
-    return _columns(split, text_field, path)
-
-
-def _columns(split, text_field, source):
-    # batches of rows are ~6x faster to read than one dict per row
-    for batch in split.iter(batch_size=1000):
-        if text_field not in batch:
-            raise UserError(f"{source} has no '{text_field}' field (it has {', '.join(batch)}): set --text_field")
-        yield batch[text_field]
-
-
-def _texts(batches):
-    for batch in batches:
-        for text in batch:
-            text = text and text.strip()
-            if text:
-                yield text
-
-
-def documents(dataset, split, text_field="text", val_fraction=0.005):
-    """The documents of split 'train' or 'val'. Sources without a validation split hold out every
-    round(1 / val_fraction)-th document, starting with the first, so that even a small file has a val set."""
-    name = dataset.lower()
-    if name == "pydoc":
-        docs = (d for d in pydoc_documents() if d.strip())
-        val_fraction = max(val_fraction, 0.05)  # a small corpus: 0.5% would be a val set of 4 documents
-    elif name.endswith(LOCAL_EXTENSIONS) or os.path.isfile(dataset):
-        if not os.path.isfile(dataset):
-            raise UserError(f"input file {dataset} not found (datasets are 'c4', a Hub name, 'pydoc' or a local "
-                            f"{'/'.join(LOCAL_EXTENSIONS)} file)")
-        docs = _texts(_local_batches(dataset, text_field))
-    else:
-        import datasets
-        repo_id, config_name = ("allenai/c4", "en") if name == "c4" else (dataset, None)
-        _hub_check(repo_id, "dataset")
-        splits = datasets.load_dataset(repo_id, config_name, streaming=True)
-        if "validation" in splits:
-            return _texts(_columns(splits["train" if split == "train" else "validation"], text_field, dataset))
-        docs = _texts(_columns(splits["train"], text_field, dataset))
-    every = max(2, round(1 / val_fraction))
-    return (d for i, d in enumerate(docs) if (i % every == 0) == (split == "val"))
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# tokenising in parallel, in order
-
-
-def _chunks(docs, chunk_chars=1 << 20):
-    # big enough to amortise handing a chunk to a thread, small enough that all threads stay busy until the end
-    chunk, chars = [], 0
-    for doc in docs:
-        chunk.append(doc)
-        chars += len(doc)
-        if chars >= chunk_chars:
-            yield chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield chunk
-
-
-def encoded_chunks(docs, tok, num_threads):
-    """(ids, document lengths) for chunks of docs, in order. num_threads threads tokenise a chunk each while this one
-    reads the next. Threads, not processes: the tokenizers release the GIL, and no text or ids are copied between
-    processes. At most 2 chunks per thread are in flight, so that a streamed dataset is never read far ahead."""
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(num_threads) as pool:
-        pending = deque()
-        for chunk in _chunks(docs):
-            pending.append(pool.submit(tok.encode_documents, chunk))
-            if len(pending) >= 2 * num_threads:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -610,94 +391,278 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# the batch stream
+# tokenising in parallel, in order
 
 
-class SpanCorruptionBatches:
-    """Span-corrupted batches of raw_length windows of a prepared folder. The global batch of optimizer step k is a
-    pure function of (seed, k): its windows come from a seeded permutation of all windows per epoch, its noise from
-    an rng seeded with (seed, k). Each micro-step and DDP rank takes its own slice, so resuming at step k, running
-    on more GPUs or changing grad_accum_steps changes nothing about the data. Validation uses the windows of val.bin
-    in order and noise that ignores the seed, so eval losses compare across runs."""
+def _chunks(docs, chunk_chars=1 << 20):
+    # big enough to amortise handing a chunk to a thread, small enough that all threads stay busy until the end
+    chunk, chars = [], 0
+    for doc in docs:
+        chunk.append(doc)
+        chars += len(doc)
+        if chars >= chunk_chars:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
 
-    def __init__(self, data_dir, split, batch_size, input_length, noise_density, mean_noise_span_length, seed,
-                 vocab_size):
-        self.meta = load_meta(data_dir)
-        if vocab_size != self.meta["model_vocab_size"]:
-            raise UserError(f"{data_dir} was tokenised with '{self.meta['tokenizer']}' for a model vocab of "
-                            f"{self.meta['model_vocab_size']}, but the model's vocab_size is {vocab_size}: use "
-                            f"data prepared with the model's tokenizer")
-        self.split, self.batch_size, self.seed, self.vocab_size = split, batch_size, seed, vocab_size
-        self.input_length, self.noise_density, self.mean_noise_span_length = (
-            input_length, noise_density, mean_noise_span_length)
-        self.raw_length, self.targets_length = compute_input_and_target_lengths(
-            input_length, noise_density, mean_noise_span_length)
-        self.files = [os.path.join(data_dir, f) for f in (self.meta["train_shards"] if split == "train"
-                                                          else ["val.bin"])]
-        for path in self.files:
-            if not os.path.isfile(path):
-                raise UserError(f"{path} is missing: re-run prepare.py for {data_dir}")
-        self.shards = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.files]
-        # non-overlapping windows within each shard; the < raw_length tokens at each shard's end are dropped
-        windows = [len(s) // self.raw_length for s in self.shards]
-        self.num_windows = sum(windows)
-        if self.num_windows == 0:
-            raise UserError(f"the {split} data in {data_dir} has fewer than {self.raw_length} tokens, not one "
-                            f"window: prepare more data or lower input_length")
-        self.first_window = np.cumsum([0] + windows)  # of each shard
-        self._permutation = (None, None)  # (epoch, permutation of all windows)
-        self._batch = (None, None)  # (step, global batch): the micro-steps of a step share it
-        self._staging = None  # pinned host buffer for CUDA
 
-    def _windows(self, step):
-        sample = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
-        if self.split != "train":
-            return sample % self.num_windows
-        windows = np.empty_like(sample)
-        epoch = sample // self.num_windows
-        for e in np.unique(epoch):  # a batch spans at most two epochs unless the data is tiny
-            if self._permutation[0] != e:
-                self._permutation = (e, np.random.default_rng([self.seed, 0, e]).permutation(self.num_windows))
-            windows[epoch == e] = self._permutation[1][sample[epoch == e] % self.num_windows]
-        return windows
+def encoded_chunks(docs, tok, num_threads):
+    """(ids, document lengths) for chunks of docs, in order. num_threads threads tokenise a chunk each while this one
+    reads the next. Threads, not processes: the tokenizers release the GIL, and no text or ids are copied between
+    processes. At most 2 chunks per thread are in flight, so that a streamed dataset is never read far ahead."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(num_threads) as pool:
+        pending = deque()
+        for chunk in _chunks(docs):
+            pending.append(pool.submit(tok.encode_documents, chunk))
+            if len(pending) >= 2 * num_threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
-    def _global_batch(self, step):
-        windows = self._windows(step)
-        shard = np.searchsorted(self.first_window, windows, side="right") - 1
-        start = (windows - self.first_window[shard]) * self.raw_length
-        raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shard, start)])  # (B, raw_length)
-        top = int(raw.max())
-        if top >= self.vocab_size:
-            bad = self.files[shard[np.nonzero(raw.max(axis=1) == top)[0][0]]]
-            raise UserError(f"{bad} holds token id {top}, beyond the model's vocab_size {self.vocab_size}: the data "
-                            f"is corrupt or from another tokenizer; re-run prepare.py")
-        rng = np.random.default_rng([self.seed, 1, step] if self.split == "train" else [2, step])
-        inputs, targets = span_corrupt(raw, self.noise_density, self.mean_noise_span_length,
-                                       self.meta["first_sentinel_id"], self.meta["eos_id"], rng)
-        return np.concatenate([inputs, targets], axis=1)  # (B, input_length + targets_length)
 
-    def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
-        """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: slice micro_step *
-        world_size + rank of the global batch of `step`, b = batch_size / (grad_accum_steps * world_size)."""
-        b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
-        if self._batch[0] != step:
-            self._batch = (step, self._global_batch(step))
-        i = (micro_step * world_size + rank) * b
-        rows = self._batch[1][i: i + b]
-        # one flat buffer holds both, so that a single copy moves them
-        flat = torch.from_numpy(np.concatenate([rows[:, : self.input_length].ravel(),
-                                                rows[:, self.input_length:].ravel()]))
-        device = torch.device(device)
-        if device.type == "cuda":
-            if self._staging is None or self._staging[0].shape != flat.shape:
-                self._staging = (torch.empty(flat.shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-            else:
-                self._staging[1].synchronize()  # the previous copy out of the buffer must be done before refilling
-            self._staging[0].copy_(flat)
-            flat = self._staging[0].to(device, non_blocking=True)
-            self._staging[1].record()
-        n = b * self.input_length
-        return flat[:n].view(b, self.input_length), flat[n:].view(b, self.targets_length)
+# -----------------------------------------------------------------------------------------------------------------
+# sources: every one is an iterator of document strings, the same ones in the same order on every run
+
+
+def pydoc_documents():
+    """Python's own documentation, ~2 MB of English that needs no download: the pydoc topics (the language
+    reference), then for each standard-library module its docstring and those of its classes and functions."""
+    import ast
+    import sysconfig
+    import pydoc_data.topics
+    for name in sorted(pydoc_data.topics.topics):
+        yield pydoc_data.topics.topics[name]
+    root = sysconfig.get_paths()["stdlib"]
+    for folder, subfolders, files in os.walk(root):
+        # the test suites' docstrings are mostly one-line "Test that ..." notes
+        subfolders[:] = sorted(d for d in subfolders if d not in ("site-packages", "test", "tests", "__pycache__"))
+        for file in sorted(files):
+            if not file.endswith(".py"):
+                continue
+            try:
+                with open(os.path.join(folder, file), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, ValueError):  # lib2to3's deliberately broken test data
+                continue
+            docstrings = [ast.get_docstring(node) for node in ast.walk(tree) if isinstance(
+                node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+            yield "\n\n".join(d for d in docstrings if d)
+
+
+def _json_lines(path, text_field):
+    # pyarrow, told the one field we need, parses in its own threads and skips every other field: a third of the
+    # CPU time of datasets' json builder, which parses every field in one thread, and tokenising needs the cores
+    import pyarrow as pa
+    import pyarrow.json as paj
+    options = paj.ParseOptions(explicit_schema=pa.schema([(text_field, pa.string())]),
+                               unexpected_field_behavior="ignore")
+    try:
+        for i, batch in enumerate(paj.open_json(pa.input_stream(path), parse_options=options)):  # .gz decompressed
+            texts = batch.column(0)
+            if i == 0 and texts.null_count == len(texts):
+                fields = paj.open_json(pa.input_stream(path)).schema.names
+                raise UserError(f"{path} has no '{text_field}' field (it has {', '.join(fields)}): set --text_field")
+            yield texts.to_pylist()
+    except pa.ArrowInvalid as e:  # e.g. "JSON parse error: Column(/text) changed from string to number in row 0"
+        raise UserError(f"{path} is not JSON Lines with a string '{text_field}' field: {e}") from None
+
+
+def _local_batches(path, text_field):
+    """Lists of the text_field values of a local file (None for a record without one)."""
+    name = os.path.basename(path).lower()
+    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+        import pyarrow as pa
+        with pa.input_stream(path) as f:
+            head = f.read(1 << 12).lstrip(b"\xef\xbb\xbf \t\r\n")  # after a byte order mark and blank lines
+        if not head:
+            return []
+        if not head.startswith(b"["):  # JSON Lines (C4's .json files are); datasets reads a JSON array below
+            return _json_lines(path, text_field)
+    import datasets
+    if name.endswith((".txt", ".txt.gz")):
+        # documents are paragraphs, separated by blank lines
+        split = datasets.load_dataset("text", data_files=path, split="train", streaming=True, sample_by="paragraph")
+    else:
+        split = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=path,
+                                      split="train", streaming=True)
+    return _columns(split, text_field, path)
+
+
+def _columns(split, text_field, source):
+    # batches of rows are ~6x faster to read than one dict per row
+    for batch in split.iter(batch_size=1000):
+        if text_field not in batch:
+            raise UserError(f"{source} has no '{text_field}' field (it has {', '.join(batch)}): set --text_field")
+        yield batch[text_field]
+
+
+def _texts(batches):
+    for batch in batches:
+        for text in batch:
+            text = text and text.strip()
+            if text:
+                yield text
+
+
+def documents(dataset, split, text_field="text", val_fraction=0.005):
+    """The documents of split 'train' or 'val'. Sources without a validation split hold out every
+    round(1 / val_fraction)-th document, starting with the first, so that even a small file has a val set."""
+    name = dataset.lower()
+    if name == "pydoc":
+        docs = (d for d in pydoc_documents() if d.strip())
+        val_fraction = max(val_fraction, 0.05)  # a small corpus: 0.5% would be a val set of 4 documents
+    elif name.endswith(LOCAL_EXTENSIONS) or os.path.isfile(dataset):
+        if not os.path.isfile(dataset):
+            raise UserError(f"input file {dataset} not found (datasets are 'c4', a Hub name, 'pydoc' or a local "
+                            f"{'/'.join(LOCAL_EXTENSIONS)} file)")
+        docs = _texts(_local_batches(dataset, text_field))
+    else:
+        import datasets
+        repo_id, config_name = ("allenai/c4", "en") if name == "c4" else (dataset, None)
+        _hub_check(repo_id, "dataset")
+        splits = datasets.load_dataset(repo_id, config_name, streaming=True)
+        if "validation" in splits:
+            return _texts(_columns(splits["train" if split == "train" else "validation"], text_field, dataset))
+        docs = _texts(_columns(splits["train"], text_field, dataset))
+    every = max(2, round(1 / val_fraction))
+    return (d for i, d in enumerate(docs) if (i % every == 0) == (split == "val"))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# tokenizers: sentencepiece (T5's or a new one) or GPT-2's BPE, each with 100 sentinels appended to its vocab
+
+
+class _Tokenizer:
+    """encode(str) -> list of ids, encode_documents(list of str) -> (uint16 ids of all of them, each followed by EOS;
+    each one's length), decode(ids) -> str with <extra_id_i> sentinels. sentencepiece and tiktoken encode without the
+    GIL, so that threads tokenise in parallel."""
+
+    def encode_documents(self, texts):
+        ids = self._encode_batch(texts)
+        lengths = np.array([len(x) for x in ids], dtype=np.int64)
+        flat = np.concatenate(ids)
+        if flat.min() < 0 or flat.max() >= min(self.vocab_size, 1 << 16):
+            raise UserError(f"the tokenizer produced id {flat.max()}, outside its vocab of {self.vocab_size} or "
+                            f"uint16")
+        return flat.astype(np.uint16), lengths
+
+    def decode(self, ids):
+        # sentinels are not in the underlying vocab, so decode the runs between them and spell them out
+        text, run = [], []
+        for i in ids:
+            i = int(i)
+            if i > self.first_sentinel_id - NUM_SENTINELS and i <= self.first_sentinel_id:
+                text.append(self._decode_pieces(run) + f"<extra_id_{self.first_sentinel_id - i}>")
+                run = []
+            elif i != self.pad_id and i < self.vocab_size:  # the model's vocab is padded past the tokenizer's
+                run.append(i)
+        return "".join(text) + self._decode_pieces(run)
+
+
+class SentencePieceTokenizer(_Tokenizer):
+    """T5's convention: pad 0, eos 1, unk 2, and <extra_id_i> = pieces + 99 - i (32099 - i for T5's 32000 pieces)."""
+
+    def __init__(self, model_file):
+        import sentencepiece as spm
+        self.sp = spm.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self.sp.get_piece_size() + NUM_SENTINELS
+        self.eos_id, self.pad_id = self.sp.eos_id(), self.sp.pad_id()
+        self.first_sentinel_id = self.vocab_size - 1
+
+    def encode(self, text):
+        return self.sp.encode(text)
+
+    def _encode_batch(self, texts):
+        # int arrays, not lists: building a Python int per token is the one part of encoding that holds the GIL.
+        # One thread: the parallelism is prepare's threads, each with its own chunk
+        return self.sp.encode(texts, add_eos=True, num_threads=1, out_type="numpy")
+
+    def _decode_pieces(self, ids):
+        return self.sp.decode(ids)
+
+
+class Gpt2Tokenizer(_Tokenizer):
+    """tiktoken's GPT-2 BPE: eos is <|endoftext|> 50256, <extra_id_i> = 50356 - i, and pad is one more id, 50357."""
+
+    def __init__(self):
+        import tiktoken
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except OSError as e:
+            raise UserError(f"tiktoken could not download GPT-2's BPE files ({type(e).__name__}); offline, use "
+                            f"--tokenizer=train or a local sentencepiece .model file") from None
+        self.eos_id = self.enc.eot_token
+        self.first_sentinel_id = self.enc.n_vocab + NUM_SENTINELS - 1
+        self.pad_id = self.first_sentinel_id + 1
+        self.vocab_size = self.pad_id + 1
+
+    # ordinary: text that happens to contain "<|endoftext|>" is just text
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def _encode_batch(self, texts):
+        return [self.enc.encode_ordinary(text) + [self.eos_id] for text in texts]
+
+    def _decode_pieces(self, ids):
+        return self.enc.decode(ids)
+
+
+def _make_tokenizer(model_file):
+    return SentencePieceTokenizer(model_file) if model_file else Gpt2Tokenizer()
+
+
+def _hub_check(repo_id, repo_type, hint=OFFLINE_OPTIONS):
+    """Fail in seconds, not after minutes of retries, when the Hub can't be reached or has no such repo."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"HF_HUB_OFFLINE is set, so {repo_id} can't be downloaded: {hint}")
+    try:
+        HfApi().repo_info(repo_id, repo_type=repo_type, timeout=3)
+    except RepositoryNotFoundError:
+        raise UserError(f"no {repo_type} named '{repo_id}' on the Hugging Face Hub (or it is private): check the "
+                        f"name, or {hint}") from None
+    except Exception as e:  # the http client's own connection and timeout errors
+        raise UserError(f"can't reach the Hugging Face Hub for {repo_id} ({type(e).__name__}), are you offline? "
+                        f"{hint}") from None
+
+
+def t5_spiece():
+    """T5 v1.1's sentencepiece model (shared by t5-v1_1, flan-t5 and nanoT5), from the Hub cache or the Hub."""
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download("google/t5-v1_1-base", "spiece.model", local_files_only=True)
+    except FileNotFoundError:  # not cached yet
+        _hub_check("google/t5-v1_1-base", "model", "pass a local copy of T5's spiece.model instead")
+        return hf_hub_download("google/t5-v1_1-base", "spiece.model")
+
+
+def _train_spiece(texts, vocab_size, max_chars=20_000_000):
+    """A unigram sentencepiece model with T5's special ids, trained on the first max_chars characters of texts."""
+    import io
+    import sentencepiece as spm
+
+    def lines():
+        chars = 0
+        for text in texts:
+            for line in text.splitlines():
+                if line.strip():
+                    yield line
+                    chars += len(line)
+            if chars >= max_chars:
+                return
+
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=lines(), model_writer=model, vocab_size=vocab_size,
+                                       model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                       num_threads=8, minloglevel=2)  # fixed: the model depends on it
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to a value <= 3012."
+        reason = str(e).split("] ")[-1].rstrip(".")
+        raise UserError(f"sentencepiece training failed: {reason}; adjust --vocab_size") from None
+    return model.getvalue()
 
 
 # -----------------------------------------------------------------------------------------------------------------

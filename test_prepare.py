@@ -20,6 +20,40 @@ SHARD_TOKENS = 3000
 PIECES = 150
 
 
+def span_corrupt_per_example(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rng):
+    """The reference for span_corrupt: one example at a time, step by step as T5's random_spans_noise_mask describes
+    it. span_corrupt must match it in distribution (tested below), and bench.py --part=data times the two."""
+    L = tokens.shape[1]
+    num_noise = min(max(round(L * noise_density), 1), L - 1)
+    num_spans = max(1, round(min(num_noise, L - num_noise) / mean_noise_span_length))
+
+    def random_segmentation(num_items):
+        # shuffle num_spans - 1 segment starts among items 1..num_items-1; item 0 always starts a segment
+        is_start = [1] + list(rng.permutation([1] * (num_spans - 1) + [0] * (num_items - num_spans)))
+        lengths = []
+        for start in is_start:
+            if start:
+                lengths.append(0)
+            lengths[-1] += 1
+        return lengths
+
+    all_inputs, all_targets = [], []
+    for row in tokens:
+        is_noise = []
+        for kept, noise in zip(random_segmentation(L - num_noise), random_segmentation(num_noise)):
+            is_noise += [False] * kept + [True] * noise
+        inputs, targets, sentinel = [], [], first_sentinel_id + 1
+        for i, token in enumerate(row):
+            if is_noise[i] and not is_noise[i - 1]:  # a noise span starts (position 0 is never noise)
+                sentinel -= 1
+                inputs.append(sentinel)
+                targets.append(sentinel)
+            (targets if is_noise[i] else inputs).append(int(token))
+        all_inputs.append(inputs + [eos_id])
+        all_targets.append(targets + [eos_id])
+    return np.array(all_inputs, dtype=np.int64), np.array(all_targets, dtype=np.int64)
+
+
 def uncorrupt(inputs, targets, first_sentinel_id):
     """(the original row, which of its tokens were noise): each sentinel in the inputs replaced by the tokens after
     it in the targets."""
@@ -88,7 +122,7 @@ def test_span_corrupt_matches_reference_distribution():
     tokens = np.random.default_rng(0).integers(3, 1000, (rows, length))
     inputs, targets = P.span_corrupt(tokens, 0.15, 3.0, 32099, 1, np.random.default_rng(1))
     rng = np.random.default_rng(2)
-    reference = list(zip(*P.span_corrupt_per_example(tokens, 0.15, 3.0, 32099, 1, rng)))
+    reference = list(zip(*span_corrupt_per_example(tokens, 0.15, 3.0, 32099, 1, rng)))
     assert rebuild(*reference[0], 32099) == tokens[0].tolist()
 
     def stats(pairs):
