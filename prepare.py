@@ -194,6 +194,24 @@ class SpanCorruptionBatches:
         return flat[:n].view(b, self.input_length), flat[n:].view(b, self.targets_length)
 
 
+def show_fill(tok, inputs, fill, truth, num_spans=3, context=6):
+    """What an evaluation prints of one span-corrupted example: the corrupted input around its first num_spans
+    sentinels (context tokens on each side, gaps shown as ...), and the model's fill and the true fill of those
+    sentinels. inputs, fill, truth: 1-D ids; fill and truth are cut at EOS, as the model's output ends there."""
+    inputs, fill, truth = (np.asarray(ids).tolist() for ids in (inputs, fill, truth))
+    shown = [i for i, token in enumerate(inputs) if tok.is_sentinel(token)][:num_spans]
+    keep = sorted({j for i in shown for j in range(max(i - context, 0), min(i + context + 1, len(inputs)))})
+    runs = np.split(np.array(keep), np.nonzero(np.diff(keep) > 1)[0] + 1) if keep else []  # runs of positions
+    text = " ... ".join(tok.decode([inputs[j] for j in run]).strip() for run in runs)
+
+    def spans(ids):
+        ids = ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids
+        end = tok.first_sentinel_id - num_spans  # the first sentinel not shown
+        return tok.decode(ids[:ids.index(end)] if end in ids else ids).strip()
+    return {"input": ("... " if keep and keep[0] > 0 else "") + text + " ...", "model": spans(fill),
+            "truth": spans(truth)}
+
+
 def load_meta(data_dir):
     """meta.json of a prepared folder, plus 'data_dir' (where the tokenizer model sits)."""
     path = os.path.join(data_dir, "meta.json")
@@ -548,17 +566,21 @@ class _Tokenizer:
                             f"uint16")
         return flat.astype(np.uint16), lengths
 
+    def is_sentinel(self, i):
+        return self.first_sentinel_id - NUM_SENTINELS < i <= self.first_sentinel_id
+
     def decode(self, ids):
-        # sentinels are not in the underlying vocab, so decode the runs between them and spell them out
-        text, run = [], []
+        # sentinels are not in the underlying vocab, so decode the runs between them and spell them out, with a
+        # space on each side as T5's own tokenizer shows them
+        parts, run = [], []
         for i in ids:
             i = int(i)
-            if i > self.first_sentinel_id - NUM_SENTINELS and i <= self.first_sentinel_id:
-                text.append(self._decode_pieces(run) + f"<extra_id_{self.first_sentinel_id - i}>")
+            if self.is_sentinel(i):
+                parts += [self._decode_pieces(run), f"<extra_id_{self.first_sentinel_id - i}>"]
                 run = []
             elif i != self.pad_id and i < self.vocab_size:  # the model's vocab is padded past the tokenizer's
                 run.append(i)
-        return "".join(text) + self._decode_pieces(run)
+        return " ".join(part for part in parts + [self._decode_pieces(run)] if part)
 
 
 class SentencePieceTokenizer(_Tokenizer):

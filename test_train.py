@@ -64,6 +64,40 @@ def test_tiny_config_learns(data_dir, tmp_path):
     assert os.path.exists(os.path.join(out, "ckpt.pt"))
 
 
+def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
+    import numpy as np
+    import torch
+    import prepare as P
+    from model import T5
+    from test_prepare import rebuild
+    out = str(tmp_path / "out")
+    r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=6", "--eval_interval=3",
+             "--checkpoint_interval=6"])
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(out, "log.jsonl")) as f:
+        shown = [record for record in map(json.loads, f) if "examples" in record]
+    assert [record["step"] for record in shown] == [3, 6] and len(shown[-1]["examples"]) == 2
+    for example in shown[-1]["examples"]:  # printed as logged
+        assert f"    model: {example['model']}\n    truth: {example['truth']}\n" in r.stdout
+
+    # the examples are the first two windows of val.bin, and their truth is exactly the spans span corruption removed
+    val = P.SpanCorruptionBatches(data_dir, "val", 8, 64, 0.15, 3.0, 1337, P.load_meta(data_dir)["model_vocab_size"])
+    inputs, labels = (t[:2] for t in val.get(0))
+    windows = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16)[:2 * val.raw_length]
+    meta, tok = val.meta, P.load_tokenizer(data_dir)
+    assert [rebuild(i, t, meta["first_sentinel_id"]) for i, t in zip(inputs.numpy(), labels.numpy())] == \
+        windows.reshape(2, -1).tolist()
+    # the fill is what generate() writes for that input with the final weights, cut at EOS
+    t5 = T5.from_checkpoint(torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)).eval()
+    fills = t5.generate(inputs, max_new_tokens=labels.size(1)).tolist()
+    for example, ids, fill, truth in zip(shown[-1]["examples"], inputs.tolist(), fills, labels.tolist()):
+        def text(ids):
+            return tok.decode(ids[:ids.index(meta["eos_id"])] if meta["eos_id"] in ids else ids)
+        assert text(fill).startswith(example["model"]) and text(truth).startswith(example["truth"])
+        assert example["truth"].startswith("<extra_id_0>") and example["input"].count("<extra_id_") == 3
+        assert all(part in text(ids) for part in example["input"].strip(". ").split(" ... "))
+
+
 def test_kill_and_resume_is_exact(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", "--max_steps=30", "--checkpoint_interval=10", "--eval_interval=1000"]
     straight = str(tmp_path / "straight")

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import T5, T5Config
 from optim import get_lr, make_optimizer, param_groups, train_step
-from prepare import SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, prepare
+from prepare import (SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, load_tokenizer, prepare,
+                     show_fill)
 from runtime import (Checkpointer, Logger, UserError, checkpoint_state, load_checkpoint, print0, raw_model, restore_rng,
                      setup_runtime)
 
@@ -113,6 +114,10 @@ if rt.ddp:
 data_args = (batch_size, input_length, noise_density, mean_noise_span_length, seed, raw_model(t5).config.vocab_size)
 train_data = SpanCorruptionBatches(data_dir, "train", *data_args)
 val_data = SpanCorruptionBatches(data_dir, "val", *data_args)
+# two held-out examples every evaluation shows filled in by the model, next to the truth: always the first two windows
+# of val.bin with the same noise, so that steps and runs compare
+demo_inputs, demo_labels = (t[:2] for t in val_data.get(0, device=rt.device))
+tok = load_tokenizer(meta)
 logger = Logger(out_dir, rt.master, resume_step=step if init_from == "resume" else None, wandb_log=wandb_log,
                 wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
 
@@ -127,7 +132,8 @@ def micro_batches(data, step):
 
 @torch.no_grad()
 def evaluate():
-    """loss and next-token accuracy on the fixed validation batches, comparable across runs and checkpoints"""
+    """loss and next-token accuracy on the fixed validation batches, comparable across runs and checkpoints, and the
+    two demo examples filled in"""
     t5.eval()
     totals = torch.zeros(2, device=rt.device)
     for i in range(eval_steps):
@@ -139,9 +145,12 @@ def evaluate():
             totals += torch.stack([loss.float(), (logits.argmax(-1) == labels).float().mean()])
     if rt.ddp:
         torch.distributed.all_reduce(totals)  # gloo has no AVG: sum, then divide by the ranks too
+    with rt.autocast():  # the same greedy decoding as generate() everywhere else; every rank runs it, rank 0 shows it
+        fills = raw_model(t5).generate(demo_inputs, max_new_tokens=demo_labels.size(1))
     t5.train()
+    examples = [show_fill(tok, *ids) for ids in zip(demo_inputs.cpu(), fills.cpu(), demo_labels.cpu())]
     val_loss, val_acc = (totals / (eval_steps * grad_accum_steps * rt.world_size)).tolist()
-    return val_loss, val_acc
+    return val_loss, val_acc, examples
 
 
 checkpoints = Checkpointer(ckpt_path, checkpoint_interval, rt,
@@ -181,9 +190,11 @@ while step < max_steps and (budget_s == 0 or elapsed < budget_s):
                f"{record['ms_per_step']:.0f} ms/step | {record['tokens_per_s']:,.0f} tok/s{mfu_text} | "
                f"eta {eta_s / 3600:.2f} h")
     if step % eval_interval == 0 or step == max_steps:
-        val_loss, val_acc = evaluate()
-        logger.log({"step": step, "val_loss": val_loss, "val_acc": val_acc})
+        val_loss, val_acc, examples = evaluate()
+        logger.log({"step": step, "val_loss": val_loss, "val_acc": val_acc, "examples": examples})
         print0(f"step {step:6d} | val loss {val_loss:.4f} | val acc {val_acc:.4f}")
+        for ex in examples:
+            print0(f"    input: {ex['input']}\n    model: {ex['model']}\n    truth: {ex['truth']}")
     if checkpoints.after_step(step):
         break
 checkpoints.finish(step)
