@@ -210,7 +210,7 @@ def test_prepare_end_to_end(corpus, data_dir):
     expected_val = [i for t in texts[::20] for i in tok.encode(t) + [1]]
     assert np.fromfile(f"{data_dir}/val.bin", dtype=np.uint16).tolist() == expected_val
     assert tok.decode(tok.encode(texts[3])) == texts[3]
-    assert tok.decode(tok.encode("The data") + [PIECES + 99] + tok.encode("model")) == "The data<extra_id_0>model"
+    assert tok.decode(tok.encode("The data") + [PIECES + 99] + tok.encode("model")) == "The data <extra_id_0> model"
 
     # a rerun finds it complete, and 2 processes give the same bytes
     assert P.prepare(corpus, **prepare_args(data_dir)) == meta
