@@ -17,6 +17,7 @@ import math
 import os
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -107,12 +108,23 @@ def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_i
 # the batch stream
 
 
+class RowGenerators:
+    """One random generator per row, in place of span_corrupt's single rng: random((B, n)) draws row i from generator
+    i, so that any subset of a batch's rows can be span-corrupted alone, identical to those rows of the whole batch."""
+
+    def __init__(self, seeds):
+        self.generators = [np.random.default_rng(seed) for seed in seeds]
+
+    def random(self, shape):
+        return np.stack([g.random(shape[1]) for g in self.generators])  # shape: (len(seeds), n)
+
+
 class SpanCorruptionBatches:
-    """Span-corrupted batches of raw_length windows of a prepared folder. The global batch of optimizer step k is a
-    pure function of (seed, k): its windows come from a seeded permutation of all windows per epoch, its noise from
-    an rng seeded with (seed, k). Each micro-step and DDP rank takes its own slice, so resuming at step k, running
-    on more GPUs or changing grad_accum_steps changes nothing about the data. Validation uses the windows of val.bin
-    in order and noise that ignores the seed, so eval losses compare across runs."""
+    """Span-corrupted batches of raw_length windows of a prepared folder. Row r of the global batch of optimizer step
+    k is a pure function of (seed, k, r): its window comes from a seeded permutation of all windows per epoch, its
+    noise from an rng seeded with (seed, k, r). Each micro-step and DDP rank builds only its own rows, so resuming at
+    step k, running on more GPUs or changing grad_accum_steps changes nothing about the data. Validation uses the
+    windows of val.bin in order and noise that ignores the seed, so eval losses compare across runs."""
 
     def __init__(self, data_dir, split, batch_size, input_length, noise_density, mean_noise_span_length, seed,
                  vocab_size):
@@ -140,58 +152,95 @@ class SpanCorruptionBatches:
                             f"window: prepare more data or lower input_length")
         self.first_window = np.cumsum([0] + windows)  # of each shard
         self._permutation = (None, None)  # (epoch, permutation of all windows)
-        self._batch = (None, None)  # (step, global batch): the micro-steps of a step share it
-        self._staging = None  # pinned host buffer for CUDA
 
-    def _windows(self, step):
-        sample = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+    def _windows(self, sample):
         if self.split != "train":
             return sample % self.num_windows
         windows = np.empty_like(sample)
         epoch = sample // self.num_windows
         for e in np.unique(epoch):  # a batch spans at most two epochs unless the data is tiny
-            if self._permutation[0] != e:
-                self._permutation = (e, np.random.default_rng([self.seed, 0, e]).permutation(self.num_windows))
-            windows[epoch == e] = self._permutation[1][sample[epoch == e] % self.num_windows]
+            permutation = self._permutation  # one read: Prefetcher's thread may replace it meanwhile
+            if permutation[0] != e:
+                permutation = (e, np.random.default_rng([self.seed, 0, e]).permutation(self.num_windows))
+                self._permutation = permutation
+            windows[epoch == e] = permutation[1][sample[epoch == e] % self.num_windows]
         return windows
 
-    def _global_batch(self, step):
-        windows = self._windows(step)
+    def rows(self, step, first, count):
+        """rows first .. first + count - 1 of the global batch of `step`: (count, input_length + targets_length)"""
+        windows = self._windows(np.arange(step * self.batch_size + first, step * self.batch_size + first + count))
         shard = np.searchsorted(self.first_window, windows, side="right") - 1
         start = (windows - self.first_window[shard]) * self.raw_length
-        raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shard, start)])  # (B, raw_length)
+        raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shard, start)])  # (count, raw_length)
         top = int(raw.max())
         if top >= self.vocab_size:
             bad = self.files[shard[np.nonzero(raw.max(axis=1) == top)[0][0]]]
             raise UserError(f"{bad} holds token id {top}, beyond the model's vocab_size {self.vocab_size}: the data "
                             f"is corrupt or from another tokenizer; re-run prepare.py")
-        rng = np.random.default_rng([self.seed, 1, step] if self.split == "train" else [2, step])
+        rng = RowGenerators([[self.seed, 1, step, row] if self.split == "train" else [2, step, row]
+                             for row in range(first, first + count)])
         inputs, targets = span_corrupt(raw, self.noise_density, self.mean_noise_span_length,
                                        self.meta["first_sentinel_id"], self.meta["eos_id"], rng)
-        return np.concatenate([inputs, targets], axis=1)  # (B, input_length + targets_length)
+        return np.concatenate([inputs, targets], axis=1)
 
-    def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
-        """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: slice micro_step *
-        world_size + rank of the global batch of `step`, b = batch_size / (grad_accum_steps * world_size)."""
+    def micro_batch(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1):
+        """slice micro_step * world_size + rank of the global batch of `step`, b = batch_size / (grad_accum_steps *
+        world_size) rows, as one flat int64 CPU tensor: the b input rows, then the b label rows, so that one copy
+        moves both"""
         b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
-        if self._batch[0] != step:
-            self._batch = (step, self._global_batch(step))
-        i = (micro_step * world_size + rank) * b
-        rows = self._batch[1][i: i + b]
-        # one flat buffer holds both, so that a single copy moves them
-        flat = torch.from_numpy(np.concatenate([rows[:, : self.input_length].ravel(),
+        rows = self.rows(step, (micro_step * world_size + rank) * b, b)
+        return torch.from_numpy(np.concatenate([rows[:, : self.input_length].ravel(),
                                                 rows[:, self.input_length:].ravel()]))
-        device = torch.device(device)
-        if device.type == "cuda":
-            if self._staging is None or self._staging[0].shape != flat.shape:
-                self._staging = (torch.empty(flat.shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-            else:
-                self._staging[1].synchronize()  # the previous copy out of the buffer must be done before refilling
-            self._staging[0].copy_(flat)
-            flat = self._staging[0].to(device, non_blocking=True)
-            self._staging[1].record()
+
+    def split_micro_batch(self, flat):
+        """(input_ids (b, input_length), labels (b, targets_length)): views of a micro_batch, on its device"""
+        b = len(flat) // (self.input_length + self.targets_length)
         n = b * self.input_length
         return flat[:n].view(b, self.input_length), flat[n:].view(b, self.targets_length)
+
+    def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
+        """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: micro_batch, built now"""
+        flat = self.micro_batch(step, micro_step, grad_accum_steps, rank, world_size)
+        return self.split_micro_batch(flat.to(device))
+
+
+class Prefetcher:
+    """
+    prefetcher(step) -> get_batch(micro_step) for optim.train_step: this rank's micro-batches of `step`, the batches
+    of SpanCorruptionBatches.get. While the caller runs step k, one background thread builds step k + 1, so the
+    device never waits for span corruption; a step other than the one prepared (the first, or after a jump) is built
+    at once, so any sequence of steps gets exactly its batches.
+    A thread rather than DataLoader worker processes: numpy releases the GIL during the array work of span
+    corruption, the steps come in a fixed order, and a thread needs no pickling, shared memory or extra copies of the
+    shards. On CUDA the thread also pins each batch; torch's pinned-memory cache hands out a buffer only once its
+    last copy to the GPU is done, so the asynchronous copy here can never read a buffer the thread is refilling.
+    """
+
+    def __init__(self, data, grad_accum_steps, rank, world_size, device):
+        self.data, self.grad_accum_steps, self.rank, self.world_size = data, grad_accum_steps, rank, world_size
+        self.device = torch.device(device)
+        on_cuda = self.device.type == "cuda"
+        # the thread pins on this rank's GPU, not on GPU 0 (which would cost every rank a CUDA context there)
+        self.pool = ThreadPoolExecutor(1, initializer=torch.cuda.set_device if on_cuda else None,
+                                       initargs=(self.device,) if on_cuda else ())
+        self.pin = on_cuda
+        self.next = (None, None)  # (step, future of its host micro-batches)
+
+    def _host(self, step):
+        flats = [self.data.micro_batch(step, m, self.grad_accum_steps, self.rank, self.world_size)
+                 for m in range(self.grad_accum_steps)]
+        return [flat.pin_memory() for flat in flats] if self.pin else flats
+
+    def __call__(self, step):
+        next_step, future = self.next
+        flats = future.result() if next_step == step else self._host(step)
+        self.next = (step + 1, self.pool.submit(self._host, step + 1))
+        batches = [self.data.split_micro_batch(flat.to(self.device, non_blocking=True)) for flat in flats]
+        return lambda micro_step: (*batches[micro_step], None)  # pre-training windows are never padded
+
+    def close(self):
+        """stop the thread, dropping a batch built ahead that no step will use"""
+        self.pool.shutdown(cancel_futures=True)
 
 
 def show_fill(tok, inputs, fill, truth, num_spans=3, context=6):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -356,6 +357,33 @@ def test_stream_ranks_and_grad_accum_slice_the_same_global_batch(data_dir):
         assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
     with pytest.raises(UserError, match="split evenly"):
         stream.get(3, 0, 3, 0, 1)
+
+
+def test_each_rank_corrupts_only_its_own_rows(data_dir, monkeypatch):
+    corrupted = []
+
+    def recording_span_corrupt(tokens, *args):
+        corrupted.append(len(tokens))
+        return span_corrupt(tokens, *args)
+    span_corrupt = P.span_corrupt
+    monkeypatch.setattr(P, "span_corrupt", recording_span_corrupt)
+    batches(data_dir).get(3, 1, 2, 1, 2)  # global batch 8: micro-step 1 of 2 on rank 1 of 2 is rows 6 and 7
+    assert corrupted == [2]
+
+
+def test_prefetcher_gives_each_step_its_batches(data_dir):
+    stream = batches(data_dir)
+    threads = set(threading.enumerate())
+    prefetcher = P.Prefetcher(batches(data_dir), 2, 1, 2, "cpu")
+    for step in (5, 6, 7, 3, 4, 9):  # a resumed start, steps in order, a jump back, a jump forward
+        get_batch = prefetcher(step)
+        assert prefetcher.next[0] == step + 1  # being built meanwhile
+        for micro_step in range(2):
+            input_ids, labels, attention_mask = get_batch(micro_step)
+            expected = stream.get(step, micro_step, 2, 1, 2)
+            assert torch.equal(input_ids, expected[0]) and torch.equal(labels, expected[1]) and attention_mask is None
+    prefetcher.close()
+    assert set(threading.enumerate()) == threads  # its thread is gone
 
 
 def test_stream_epoch_visits_every_window_once(data_dir):
