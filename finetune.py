@@ -330,29 +330,29 @@ if __name__ == "__main__":
                f"{metrics['num_examples']:,} test examples of {len(metrics['per_task'])} tasks; "
                f"predictions in {out_dir}/predictions.jsonl")
 
-    checkpoints = Checkpointer(ckpt_path, checkpoint_interval, rt,
-                               lambda: checkpoint_state(train_model, opt, step, elapsed, config, meta), step)
+    # the ranks agree (stop signal, NaN/inf, mean loss) only at log and checkpoint steps, as in train.py
+    checkpoints = Checkpointer(ckpt_path, checkpoint_interval, log_interval, max_steps, rt,
+                               lambda elapsed: checkpoint_state(train_model, opt, step, elapsed, config, meta), step,
+                               elapsed)
     model.train()
     t_log, steps_since_log = time.time(), 0
-    while step < max_steps:
-        t0 = time.time()
+    while step < max_steps and not checkpoints.stop:
         loss, grad_norm = train_step(train_model, opt, micro_batches(step), grad_accum_steps, lr, grad_clip, 0.0,
                                      rt.autocast, rt.ddp)
         step += 1
-        elapsed += time.time() - t0
         steps_since_log += 1
-        if step % log_interval == 0 or step == max_steps:
-            dt = (time.time() - t_log) / steps_since_log  # the loss is rank 0's share of the batch, as nanoGPT logs
+        if checkpoints.agree(step, loss, grad_norm):
+            dt = (time.time() - t_log) / steps_since_log
             t_log, steps_since_log = time.time(), 0
-            logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss.item(), "lr": lr,
-                        "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt, "elapsed": elapsed})
-            print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | loss {loss.item():.4f} | "
+            logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": checkpoints.loss, "lr": lr,
+                        "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt, "elapsed": checkpoints.elapsed})
+            print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | loss {checkpoints.loss:.4f} | "
                    f"grad norm {grad_norm.item():.3f} | {1000 * dt:.0f} ms/step | "
                    f"eta {(max_steps - step) * dt / 3600:.2f} h")
         if eval_interval and step % eval_interval == 0 and step < max_steps:
-            evaluate()
-        if checkpoints.after_step(step):
-            break
+            with checkpoints.paused():
+                evaluate()
+        checkpoints.after_step(step)
     checkpoints.finish(step)
     if step < max_steps:
         print0(f"continue with --init_from=resume --out_dir={out_dir}")

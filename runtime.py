@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -51,16 +52,57 @@ def print0(*args, **kwargs):
         print(*args, **kwargs)
 
 
-# dense peak FLOP/s per GPU for (float32, tfloat32, bfloat16), from the vendors' data sheets; MFU divides by these
+DTYPES = ("float32", "tfloat32", "bfloat16")
+
+# Dense peak FLOP/s (no 2:4 sparsity) for (float32, tfloat32, bfloat16), keyed by the exact name that
+# torch.cuda.get_device_name prints: MFU divides by these. From NVIDIA's data sheets, whose tensor-core figures for
+# the data-center parts carry the footnote "with sparsity", so those are halved here: A100 (40/80 GB, SXM and PCIe
+# alike), H100 (SXM, PCIe and NVL columns), H200 (SXM and NVL), L4, L40, L40S, HGX B200 (per GPU). The GeForce cards
+# come from NVIDIA's Ampere GA102 and Ada AD102 architecture whitepapers (bf16 with fp32 accumulation, which is what
+# autocast runs). No entry for the A10G: NVIDIA publishes no data sheet for it, and third parties disagree by ~2x.
 PEAK_FLOPS = {
-    "H200": (67e12, 495e12, 989e12),
-    "H100": (67e12, 495e12, 989e12),
-    "A100": (19.5e12, 156e12, 312e12),
-    "A10G": (31.2e12, 62.5e12, 125e12),
-    "L4": (30.3e12, 60e12, 121e12),
-    "RTX 4090": (82.6e12, 82.6e12, 165e12),
-    "RTX 3090": (35.6e12, 35.6e12, 71e12),
+    "NVIDIA A100-SXM4-40GB": (19.5e12, 156e12, 312e12),
+    "NVIDIA A100-SXM4-80GB": (19.5e12, 156e12, 312e12),
+    "NVIDIA A100-PCIE-40GB": (19.5e12, 156e12, 312e12),
+    "NVIDIA A100 80GB PCIe": (19.5e12, 156e12, 312e12),
+    "NVIDIA H100 80GB HBM3": (67e12, 494.5e12, 989.5e12),  # SXM
+    "NVIDIA H100 PCIe": (51e12, 378e12, 756.5e12),
+    "NVIDIA H100 NVL": (60e12, 417.5e12, 835.5e12),
+    "NVIDIA H200": (67e12, 494.5e12, 989.5e12),  # SXM
+    "NVIDIA H200 NVL": (60e12, 417.5e12, 835.5e12),
+    "NVIDIA B200": (75e12, 1.1e15, 2.25e15),
+    "NVIDIA L4": (30.3e12, 60e12, 121e12),
+    "NVIDIA L40": (90.5e12, 90.5e12, 181e12),
+    "NVIDIA L40S": (91.6e12, 183e12, 362e12),
+    "NVIDIA GeForce RTX 3090": (35.6e12, 35.6e12, 71e12),
+    "NVIDIA GeForce RTX 4090": (82.6e12, 82.6e12, 165.2e12),
 }
+
+
+def gpu_peak_flops(name, dtype):
+    """the dense peak FLOP/s at dtype of the GPU torch.cuda.get_device_name calls `name`, or None for a GPU not in
+    PEAK_FLOPS: a near miss (an L40S is not an L4) would make MFU wrong by a factor, so only exact names match"""
+    peaks = PEAK_FLOPS.get(name.strip())
+    return peaks[DTYPES.index(dtype)] if peaks else None
+
+
+def mfu(flops_per_step, seconds_per_step, world_size, peak_flops):
+    """model FLOP utilisation of each GPU: flops_per_step counts the whole global batch, which world_size GPUs share,
+    against one GPU's peak; None when the peak is unknown"""
+    if not peak_flops:
+        return None
+    return flops_per_step / world_size / seconds_per_step / peak_flops
+
+
+def memory_report(device):
+    """one line, after the first training step on a GPU: the step's peak memory and how much more a step could take,
+    so that a user sees at once whether batch_size / grad_accum_steps leave room or are near the edge"""
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    # memory PyTorch has reserved but not in use at the peak is headroom too: its allocator hands it out first
+    headroom = free + torch.cuda.memory_reserved(device) - peak
+    return (f"first step: peak memory {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB, {headroom / 2**30:.1f} GiB "
+            f"headroom ({100 * headroom / total:.0f}%)")
 
 
 def micro_batch_size(batch_size, grad_accum_steps, world_size):
@@ -107,18 +149,24 @@ class Runtime:
     def micro_batch_size(self, batch_size, grad_accum_steps):
         return micro_batch_size(batch_size, grad_accum_steps, self.world_size)
 
-    def peak_flops(self):
-        """the GPU's dense peak FLOP/s at this dtype, or None where unknown (CPU, MPS, an unlisted GPU)"""
+    def peak_flops(self, given=0.0):
+        """given if > 0 (a --peak_flops config key), else the GPU's dense peak FLOP/s at this dtype from PEAK_FLOPS;
+        None on CPU and MPS, and on a GPU not in the table, which gets a hint to pass the figure"""
+        if given > 0:
+            return given
         if self.device_type != "cuda":
             return None
         name = torch.cuda.get_device_name(self.device)
-        column = ("float32", "tfloat32", "bfloat16").index(self.dtype)
-        return next((peaks[column] for gpu, peaks in PEAK_FLOPS.items() if gpu in name), None)
+        peak = gpu_peak_flops(name, self.dtype)
+        if peak is None:
+            print0(f"'{name}' is not in runtime.PEAK_FLOPS, so no MFU is shown: pass --peak_flops=<its dense "
+                   f"{self.dtype} FLOP/s from the data sheet> to see it")
+        return peak
 
 
 def setup_runtime(device="auto", dtype="bfloat16", seed=1337):
     """Pick the device, join the torchrun process group if there is one, seed, and set the float modes."""
-    if dtype not in ("float32", "tfloat32", "bfloat16"):
+    if dtype not in DTYPES:
         raise UserError(f"dtype '{dtype}' is not supported; use bfloat16, tfloat32 or float32")
     ddp = "RANK" in os.environ  # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
@@ -202,14 +250,6 @@ class StopSignal:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
-    def agreed(self, runtime):
-        """True when any rank was signalled; under DDP every rank must stop at the same step or the others hang"""
-        if not runtime.ddp:
-            return self.requested
-        flag = torch.tensor(float(self.requested), device=runtime.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
-
 
 def save_checkpoint(path, state):
     with atomic_write(path) as f:
@@ -243,30 +283,101 @@ def restore_rng(state):
 
 class Checkpointer:
     """
-    The save-and-stop pattern of train.py and finetune.py. After every optimizer step the loop calls after_step(step),
-    which writes the checkpoint every `interval` steps and at once when any rank got SIGINT or SIGTERM, and returns
-    True when the loop must stop. After the loop, finish(step) writes the last step's checkpoint unless that step was
-    just saved, and gives the signals back: from then on Ctrl-C stops the program at once. make_state() returns what
-    to save; it runs on rank 0 only.
+    The save-and-stop pattern of train.py and finetune.py, and the one place where DDP ranks agree on what to do.
+
+    Ranks agree only at sync points: every sync_interval steps (the log interval), every checkpoint step, step 1 and
+    the last step. There a single all-reduce of four numbers tells every rank whether any rank got SIGINT or SIGTERM,
+    whether any loss or grad norm since the last sync point was NaN or inf, rank 0's clock, and the mean loss. Between
+    sync points nothing waits on the device or on another rank: the NaN check accumulates on the device, and the clock
+    is extrapolated from agreed values only. So every rank stops, saves, and (under a time budget) sets the lr at the
+    same step from the same numbers, and a checkpoint is written only right after its step passed the NaN check.
+
+        checkpoints = Checkpointer(path, interval, log_interval, max_steps, rt, make_state, step, elapsed, budget_s)
+        while step < max_steps and not checkpoints.stop:
+            ... lr from checkpoints.clock(step) under a time budget; loss, grad_norm = train_step(...)
+            step += 1
+            if checkpoints.agree(step, loss, grad_norm):
+                ... log checkpoints.loss and checkpoints.elapsed
+            with checkpoints.paused():
+                ... evaluate
+            checkpoints.after_step(step)  # writes the checkpoint every interval steps and when stopping
+        checkpoints.finish(step)  # writes the last step's checkpoint unless just written, gives the signals back
+
+    The clock counts training seconds on rank 0, summed over resumes; evaluation and checkpoint writes, timed with
+    paused(), don't count. make_state(elapsed) returns what to save; it runs on rank 0 only.
     """
 
-    def __init__(self, path, interval, rt, make_state, step):
-        self.path, self.interval, self.rt, self.make_state = path, interval, rt, make_state
+    def __init__(self, path, interval, sync_interval, max_steps, rt, make_state, step, elapsed=0.0, budget_s=0.0):
+        self.path, self.interval, self.sync_interval, self.max_steps = path, interval, sync_interval, max_steps
+        self.rt, self.make_state, self.budget_s = rt, make_state, budget_s
         self.saved_step = step  # a resumed run's checkpoint holds its first step already
         self.signal = StopSignal()
+        self.stop = 0 < budget_s <= elapsed  # a resumed run may have spent its budget already
+        self.loss = None  # the mean loss over ranks at the last sync point
+        # agreed by all ranks: training seconds at the last sync point, and the seconds per step before it
+        self.elapsed, self.synced_step, self.seconds_per_step = elapsed, step, 0.0
+        # this rank's: wall time at the last sync point, and the paused seconds since
+        self.mark, self.paused_s = time.time(), 0.0
+        self.nonfinite = None  # on the device: whether a loss or grad norm since the last sync point was NaN or inf
+
+    def clock(self, step):
+        """training seconds after `step` steps, the same on every rank: the last agreed reading, plus the agreed
+        seconds per step times the steps since"""
+        return self.elapsed + (step - self.synced_step) * self.seconds_per_step
+
+    @contextlib.contextmanager
+    def paused(self):
+        """time spent inside is not training time: the time budget and the logged elapsed leave it out"""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.paused_s += time.time() - t0
+
+    def agree(self, step, loss, grad_norm):
+        """Call after every optimizer step. Notes on the device whether loss or grad norm is NaN or inf; at a sync
+        point, agrees with the other ranks (above) and returns True. Raises UserError when the run diverged."""
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
+        if not (step % self.sync_interval == 0 or step % self.interval == 0 or step in (1, self.max_steps)):
+            return False
+        now = time.time()
+        reading = self.elapsed + now - self.mark - self.paused_s  # this rank's clock; rank 0's is the one used
+        self.mark, self.paused_s = now, 0.0
+        shared = torch.stack([self.nonfinite.float(), loss.detach().float() / self.rt.world_size])
+        if self.rt.ddp:
+            # summed over ranks: the flags are > 0 when any rank raised one, the clock is rank 0's, the loss the mean
+            host = torch.tensor([float(self.signal.requested), reading if self.rt.master else 0.0],
+                                dtype=torch.float64, device=shared.device)
+            shared = torch.cat([shared.double(), host])
+            torch.distributed.all_reduce(shared)
+            nonfinite, self.loss, signalled, reading = shared.tolist()  # the one host sync since the last sync point
+        else:
+            (nonfinite, self.loss), signalled = shared.tolist(), self.signal.requested
+        if nonfinite:
+            raise UserError(f"the loss or grad norm became NaN or inf between steps {self.synced_step + 1} and {step}:"
+                            f" training diverged; {self.path} (the last good checkpoint) is untouched; resume from it "
+                            f"with a lower lr or grad_clip")
+        self.nonfinite = None
+        self.seconds_per_step = (reading - self.elapsed) / (step - self.synced_step)
+        self.elapsed, self.synced_step = reading, step
+        self.stop = bool(signalled) or 0 < self.budget_s <= reading
+        if signalled:
+            print0(f"stopped by signal at step {step}")
+        return True
 
     def save(self, step):
+        if self.synced_step != step:
+            raise RuntimeError(f"checkpoint of step {step} written without the sync point that checks it for NaN")
         if self.rt.master:
-            save_checkpoint(self.path, self.make_state())
+            with self.paused():
+                save_checkpoint(self.path, self.make_state(self.elapsed))
         self.saved_step = step
 
     def after_step(self, step):
-        stop = self.signal.agreed(self.rt)
-        if stop or step % self.interval == 0:
+        """writes the checkpoint every `interval` steps and when stopping (signal or time budget)"""
+        if self.stop or step % self.interval == 0:
             self.save(step)
-        if stop:
-            print0(f"stopped by signal at step {step}")
-        return stop
 
     def finish(self, step):
         if self.saved_step != step:

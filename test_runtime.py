@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from runtime import UserError, load_checkpoint, save_checkpoint
+from runtime import DTYPES, Runtime, UserError, load_checkpoint, memory_report, mfu, save_checkpoint
 
 
 def test_checkpoint_round_trip_and_errors(tmp_path):
@@ -19,3 +19,41 @@ def test_checkpoint_round_trip_and_errors(tmp_path):
         load_checkpoint(path)
     with pytest.raises(UserError, match="no checkpoint"):
         load_checkpoint(str(tmp_path / "missing.pt"))
+
+
+# the exact names torch.cuda.get_device_name prints, and each one's dense bf16 peak; near misses of a listed name
+# (an L40S is not an L4, an H100 PCIe is not an SXM) must not borrow its figure
+REAL_GPU_NAMES = {
+    "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12, "NVIDIA H100 80GB HBM3": 989.5e12, "NVIDIA H100 PCIe": 756.5e12,
+    "NVIDIA H100 NVL": 835.5e12, "NVIDIA H200": 989.5e12, "NVIDIA L4": 121e12, "NVIDIA L40": 181e12,
+    "NVIDIA L40S": 362e12, "NVIDIA GeForce RTX 3090": 71e12, "NVIDIA GeForce RTX 4090": 165.2e12,
+    "NVIDIA A10G": None, "NVIDIA GeForce RTX 3090 Ti": None, "NVIDIA RTX A6000": None, "Tesla V100-SXM2-16GB": None,
+}
+
+
+@pytest.mark.parametrize("name, bf16_peak", REAL_GPU_NAMES.items())
+def test_peak_flops_matches_whole_gpu_names(monkeypatch, capsys, name, bf16_peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    rt = Runtime("cuda:0", "cuda", "bfloat16", False, 0, 0, 1)
+    assert rt.peak_flops() == bf16_peak
+    assert ("--peak_flops" in capsys.readouterr().out) == (bf16_peak is None)  # the hint, for unknown GPUs only
+    assert rt.peak_flops(given=1e15) == 1e15
+    fp32, tf32, bf16 = (Runtime("cuda:0", "cuda", dtype, False, 0, 0, 1).peak_flops() for dtype in DTYPES)
+    assert bf16_peak is None or fp32 <= tf32 <= bf16
+
+
+def test_mfu_is_per_gpu():
+    # 8 GPUs at 1e15 FLOP/s each, a step of 4e15 FLOPs in 1 s: each GPU did 5e14, half its peak
+    assert mfu(4e15, 1.0, 8, 1e15) == pytest.approx(0.5)
+    assert mfu(4e15, 1.0, 1, 8e15) == pytest.approx(0.5)
+    assert mfu(4e15, 1.0, 8, None) is None
+
+
+def test_memory_report(monkeypatch):
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 60 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 62 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (16 * gib, 80 * gib))
+    # 16 GiB free on the device plus 2 GiB reserved by PyTorch beyond the peak
+    assert memory_report("cuda:0") == "first step: peak memory 60.0 GiB of 80.0 GiB, 18.0 GiB headroom (22%)"

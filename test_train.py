@@ -192,6 +192,114 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
     assert open(ckpt, "rb").read() == good
 
 
+# train.py run through runpy under a few patches, for what only timing or a fault shows: rank 0's checkpoint writes
+# made slow, NaN losses injected, and on every rank the lr of each step and the collectives called written to
+# out_dir/rank<r>.json with the step the rank stopped at
+PATCHED_TRAIN = """
+import inspect, json, math, os, runpy, sys, time
+sys.path.insert(0, {repo!r})
+import optim, runtime, torch
+rank = int(os.environ.get("RANK", 0))
+lrs, collectives = [], [0]
+train_step, save_checkpoint = optim.train_step, runtime.save_checkpoint
+
+def recording_train_step(*args, **kwargs):
+    lrs.append(inspect.signature(train_step).bind(*args, **kwargs).arguments["lr"])
+    loss, grad_norm = train_step(*args, **kwargs)
+    return (loss * math.nan if len(lrs) in {nan_calls} else loss), grad_norm
+
+def slow_save_checkpoint(path, state):
+    if rank == 0:
+        time.sleep({save_s})
+    save_checkpoint(path, state)
+
+def counting(collective):
+    def counted(*args, **kwargs):
+        collectives[0] += 1
+        return collective(*args, **kwargs)
+    return counted
+
+optim.train_step, runtime.save_checkpoint = recording_train_step, slow_save_checkpoint
+torch.distributed.all_reduce = counting(torch.distributed.all_reduce)
+torch.distributed.broadcast = counting(torch.distributed.broadcast)
+sys.argv = ["train.py", *sys.argv[1:]]
+script = runpy.run_path(os.path.join({repo!r}, "train.py"), run_name="__main__")
+with open(os.path.join(script["out_dir"], f"rank{{rank}}.json"), "w") as f:
+    json.dump(dict(step=script["step"], lrs=lrs, collectives=collectives[0]), f)
+"""
+
+
+def run_patched(tmp_path, args, nproc=1, save_s=0.0, nan_calls=()):
+    """train.py with PATCHED_TRAIN's patches, in its own process group, killed whole if it outlives 180 s (a rank
+    left waiting on a collective would otherwise hang until gloo's 30-minute timeout)"""
+    script = tmp_path / "patched_train.py"
+    script.write_text(PATCHED_TRAIN.format(repo=REPO, save_s=save_s, nan_calls=set(nan_calls) or "set()"))
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, *launcher, str(script), *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"train.py still running after 180 s:\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def rank_records(out_dir, nproc):
+    records = []
+    for rank in range(nproc):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            records.append(json.load(f))
+    return records
+
+
+def test_ddp_time_budget_with_slow_saves_ends_together(data_dir, tmp_path):
+    # rank 0 writes a checkpoint every step, slowly; the other rank waits for it in the next step's gradient
+    # all-reduce. On one agreed clock both stop at the same step, with the same lr at every step, and exit cleanly.
+    out = str(tmp_path / "out")
+    r = run_patched(tmp_path, [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=1000000",
+                               "--time_budget_hours=0.0012", "--checkpoint_interval=1", "--eval_interval=1000000"],
+                    nproc=2, save_s=0.3)
+    assert r.returncode == 0, r.stderr
+    zero, one = rank_records(out, 2)
+    assert zero["step"] == one["step"] > 2
+    assert zero["lrs"] == one["lrs"] and len(zero["lrs"]) == zero["step"]
+    import torch
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == zero["step"]
+    with open(os.path.join(out, "log.jsonl")) as f:
+        last = [json.loads(line) for line in f][-1]
+    assert last["step"] == zero["step"] and 4.32 <= last["elapsed"]
+
+
+def test_ddp_ranks_agree_only_at_log_steps(data_dir, tmp_path):
+    # no collective (and so no host sync) between log steps: 16 steps logged every 8 agree at steps 1, 8 and 16 only
+    out = str(tmp_path / "out")
+    r = run_patched(tmp_path, [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=16",
+                               "--log_interval=8", "--checkpoint_interval=1000", "--eval_interval=1000"], nproc=2)
+    assert r.returncode == 0, r.stderr
+    zero, one = rank_records(out, 2)
+    assert zero["step"] == one["step"] == 16
+    assert zero["collectives"] == one["collectives"] == 4  # steps 1, 8 and 16, and the evaluation at the last step
+    assert zero["lrs"] == one["lrs"]
+
+
+def test_nan_between_log_steps_stops_before_the_next_checkpoint(data_dir, tmp_path):
+    # a NaN loss at step 6 only, with the weights still finite after it: the check at step 8, the next log and
+    # checkpoint step, still sees it, and the good checkpoint of step 4 stays
+    out = str(tmp_path / "out")
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4",
+            "--log_interval=4"]
+    assert run(["train.py", *args, "--max_steps=4"]).returncode == 0
+    ckpt = os.path.join(out, "ckpt.pt")
+    good = open(ckpt, "rb").read()
+    r = run_patched(tmp_path, [*args, "--max_steps=12", "--init_from=resume"], nan_calls=[2])  # step 4 + 2
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: ") and "diverged" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert open(ckpt, "rb").read() == good
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data_dir=/nonexistent/c4", "--dataset=c4"], "prepare.py"),
     (["--init_from=resume", "--out_dir=/nonexistent/out"], "ckpt.pt"),

@@ -7,7 +7,6 @@ Eight GPUs on one node (same global batch, same data, ~8x faster):
 The CPU demo, which prepares its own data on first use:
     python train.py config/t5_tiny.py
 """
-import math
 import os
 import time
 
@@ -16,10 +15,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import T5, T5Config
 from optim import get_lr, make_optimizer, param_groups, train_step
-from prepare import (SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, load_tokenizer, prepare,
-                     show_fill)
-from runtime import (Checkpointer, Logger, UserError, checkpoint_state, load_checkpoint, print0, raw_model, restore_rng,
-                     setup_runtime)
+from prepare import (Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, load_tokenizer,
+                     prepare, show_fill)
+from runtime import (Checkpointer, Logger, checkpoint_state, load_checkpoint, memory_report, mfu, print0, raw_model,
+                     restore_rng, setup_runtime)
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override any of these
@@ -64,6 +63,7 @@ device = "auto"  # cuda > mps > cpu
 dtype = "bfloat16"
 compile = True
 seed = 1337
+peak_flops = 0.0  # dense peak FLOP/s of one GPU, for MFU; 0 -> runtime.PEAK_FLOPS, which knows common GPUs
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "t5"
@@ -114,20 +114,15 @@ if rt.ddp:
 data_args = (batch_size, input_length, noise_density, mean_noise_span_length, seed, raw_model(t5).config.vocab_size)
 train_data = SpanCorruptionBatches(data_dir, "train", *data_args)
 val_data = SpanCorruptionBatches(data_dir, "val", *data_args)
+# this rank's micro-batches of each step, the next step's built in a background thread while this one runs
+train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank, rt.world_size, rt.device)
 # two held-out examples every evaluation shows filled in by the model, next to the truth: always the first two windows
 # of val.bin with the same noise, so that steps and runs compare
 demo_inputs, demo_labels = (t[:2] for t in val_data.get(0, device=rt.device))
 tok = load_tokenizer(meta)
 logger = Logger(out_dir, rt.master, resume_step=step if init_from == "resume" else None, wandb_log=wandb_log,
                 wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
-
-
-def micro_batches(data, step):
-    """get_batch for train_step: this rank's share of the global batch of `step`, one micro-step at a time"""
-    def get_batch(micro_step):
-        input_ids, labels = data.get(step, micro_step, grad_accum_steps, rt.rank, rt.world_size, rt.device)
-        return input_ids, labels, None  # pre-training windows are never padded
-    return get_batch
+peak = rt.peak_flops(peak_flops)
 
 
 @torch.no_grad()
@@ -137,9 +132,8 @@ def evaluate():
     t5.eval()
     totals = torch.zeros(2, device=rt.device)
     for i in range(eval_steps):
-        get_batch = micro_batches(val_data, i)
         for micro_step in range(grad_accum_steps):
-            input_ids, labels, _ = get_batch(micro_step)
+            input_ids, labels = val_data.get(i, micro_step, grad_accum_steps, rt.rank, rt.world_size, rt.device)
             with rt.autocast():
                 logits, loss = t5(input_ids, labels=labels)
             totals += torch.stack([loss.float(), (logits.argmax(-1) == labels).float().mean()])
@@ -153,52 +147,50 @@ def evaluate():
     return val_loss, val_acc, examples
 
 
-checkpoints = Checkpointer(ckpt_path, checkpoint_interval, rt,
-                           lambda: checkpoint_state(t5, opt, step, elapsed, config, meta), step)
+# the ranks agree (stop signal, NaN/inf, rank 0's clock, mean loss) only at log and checkpoint steps: between them
+# the host never waits for the device, and every decision comes from the values agreed last
 budget_s = time_budget_hours * 3600
+checkpoints = Checkpointer(ckpt_path, checkpoint_interval, log_interval, max_steps, rt,
+                           lambda elapsed: checkpoint_state(t5, opt, step, elapsed, config, meta), step, elapsed,
+                           budget_s)
 t5.train()
-t_log, steps_since_log = time.time(), 0
-while step < max_steps and (budget_s == 0 or elapsed < budget_s):
-    t0 = time.time()
+start_step, t_log, steps_since_log = step, time.time(), 0
+while step < max_steps and not checkpoints.stop:
     # a time budget drives the schedule by progress through the budget rather than by step count
-    progress_step = elapsed / budget_s * max_steps if budget_s else step + 1
+    progress_step = checkpoints.clock(step) / budget_s * max_steps if budget_s else step + 1
     lr_now = get_lr(progress_step, max_steps, lr_schedule, lr, warmup_steps, warmup_start_factor, min_lr)
-    loss, grad_norm = train_step(t5, opt, micro_batches(train_data, step), grad_accum_steps, lr_now, grad_clip, z_loss,
+    loss, grad_norm = train_step(t5, opt, train_batches(step), grad_accum_steps, lr_now, grad_clip, z_loss,
                                  rt.autocast, rt.ddp)
     step += 1
-    # one sync per step: negligible next to a 0.5 s step, and it stops a NaN before it can reach a checkpoint
-    if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
-        raise UserError(f"loss {loss.item()} / grad norm {grad_norm.item()} at step {step}: training diverged; "
-                        f"{ckpt_path} (last good checkpoint) is untouched; resume with a lower lr or grad_clip")
-    elapsed += time.time() - t0
     steps_since_log += 1
+    if step == start_step + 1 and rt.device_type == "cuda":
+        print0(memory_report(rt.device))
 
-    if step % log_interval == 0 or step in (1, max_steps):  # step 1: the loss at initialisation
-        if rt.ddp:
-            torch.distributed.all_reduce(loss)
-            loss /= rt.world_size
+    if checkpoints.agree(step, loss, grad_norm):  # every log_interval steps, and every checkpoint step
         dt = (time.time() - t_log) / steps_since_log
         t_log, steps_since_log = time.time(), 0
-        peak = rt.peak_flops()
-        mfu = flops_per_step / dt / peak if peak else None
-        eta_s = budget_s - elapsed if budget_s else (max_steps - step) * dt
-        record = {"step": step, "loss": loss.item(), "lr": lr_now, "grad_norm": grad_norm.item(),
-                  "ms_per_step": 1000 * dt, "tokens_per_s": tokens_per_step / dt, "mfu": mfu, "elapsed": elapsed}
+        mfu_now = mfu(flops_per_step, dt, rt.world_size, peak)
+        eta_s = budget_s - checkpoints.elapsed if budget_s else (max_steps - step) * dt
+        record = {"step": step, "loss": checkpoints.loss, "lr": lr_now, "grad_norm": grad_norm.item(),
+                  "ms_per_step": 1000 * dt, "tokens_per_s": tokens_per_step / dt, "mfu": mfu_now,
+                  "elapsed": checkpoints.elapsed}
         logger.log(record)
-        mfu_text = f" | mfu {100 * mfu:.1f}%" if mfu else ""
+        mfu_text = f" | mfu {100 * mfu_now:.1f}%" if mfu_now else ""
         print0(f"step {step:6d} | loss {record['loss']:.4f} | lr {lr_now:.2e} | grad norm {record['grad_norm']:.3f} | "
                f"{record['ms_per_step']:.0f} ms/step | {record['tokens_per_s']:,.0f} tok/s{mfu_text} | "
                f"eta {eta_s / 3600:.2f} h")
     if step % eval_interval == 0 or step == max_steps:
-        val_loss, val_acc, examples = evaluate()
+        with checkpoints.paused():
+            val_loss, val_acc, examples = evaluate()
         logger.log({"step": step, "val_loss": val_loss, "val_acc": val_acc, "examples": examples})
         print0(f"step {step:6d} | val loss {val_loss:.4f} | val acc {val_acc:.4f}")
         for ex in examples:
             print0(f"    input: {ex['input']}\n    model: {ex['model']}\n    truth: {ex['truth']}")
-    if checkpoints.after_step(step):
-        break
+    checkpoints.after_step(step)
 checkpoints.finish(step)
-print0(f"{step} steps in {elapsed / 3600:.2f} h; checkpoint in {ckpt_path} (continue with --init_from=resume)")
+train_batches.close()
+print0(f"{step} steps in {checkpoints.elapsed / 3600:.2f} h; checkpoint in {ckpt_path} (continue with "
+       f"--init_from=resume)")
 
 if rt.ddp:
     torch.distributed.destroy_process_group()
