@@ -13,27 +13,29 @@ in the same process and on the same weights, the alternatives one would otherwis
 The CPU measurements of the README:
     python bench.py --device=cpu --threads=2 --dtype=float32 --compile=False --compare=hf
 """
+import gc
 import os
 import resource
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from model import T5, T5Config
 from optim import make_optimizer, param_groups, train_step
-from prepare import SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, span_corrupt
-from runtime import UserError, print0, setup_runtime
+from prepare import Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, span_corrupt
+from runtime import UserError, mfu, print0, setup_runtime
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config; --key=value overrides any of these
 part = "train"  # 'train', 'data' (span corruption), 'optim' (optimizer step), 'generate' (greedy decoding) or
 # 'prepare' (prepare.py's tokenising of `dataset` with data_dir's tokenizer vs one single-process sentencepiece call)
 compare = ""  # '': ours alone (train) or against the part's reference; 'hf': against transformers; 'null': ours twice
-table = False  # part=train: every dtype x compile row in one run
+table = False  # part=train: every dtype x compile row in one run, each at the largest micro-batch that fits
 profile = False
 out_dir = "out/bench"  # profiler traces go here
 data_dir = ""  # a prepare.py folder to time real span-corrupted batches; '' -> random ids, no loading in the step
@@ -52,7 +54,8 @@ max_new_tokens = 128
 lr = 2e-2
 grad_clip = 1.0
 # timing
-burn_in = 3  # untimed calls first: compilation, allocator and thread-pool warm-up, optimizer state creation
+burn_in = 3  # untimed calls first: compilation, allocator and thread-pool warm-up, optimizer state creation; the
+# first one is timed apart and printed as "first call (compile)"
 steps = 10  # timed calls (per side when two are compared)
 peak_flops = 0.0  # dense peak FLOP/s for MFU; 0 -> runtime.PEAK_FLOPS for known GPUs
 # system
@@ -66,6 +69,42 @@ seed = 1337
 # the nanoT5 paper's Table 1: seconds per step of its default T5-v1.1-base pre-training step on one A100
 PAPER_A100_S_PER_STEP = {("float32", False): 4.10, ("tfloat32", False): 1.39, ("bfloat16", False): 1.30,
                          ("tfloat32", True): 0.95, ("bfloat16", True): 0.56}
+TABLE_ROWS = [(row_dtype, row_compile) for row_compile in (False, True)
+              for row_dtype in ("float32", "tfloat32", "bfloat16")]
+
+
+@dataclass
+class Shape:
+    """what one training step processes: batch_size examples of input_length tokens over grad_accum_steps micro-steps,
+    the targets as long as span corruption makes them"""
+    model_name: str
+    batch_size: int
+    grad_accum_steps: int = 1
+    input_length: int = 512
+    noise_density: float = 0.15
+    mean_noise_span_length: float = 3.0
+
+    @property
+    def raw_length(self):
+        return compute_input_and_target_lengths(self.input_length, self.noise_density, self.mean_noise_span_length)[0]
+
+    @property
+    def targets_length(self):
+        return compute_input_and_target_lengths(self.input_length, self.noise_density, self.mean_noise_span_length)[1]
+
+    @property
+    def tokens_per_step(self):
+        return self.batch_size * (self.input_length + self.targets_length)
+
+
+@dataclass
+class Timing:
+    """how calls are timed: burn_in untimed calls (the first timed apart), then `steps` timed ones; sync waits for
+    the device; trace_prefix, when set, is where torch.profiler traces go ('out/bench/trace_train_')"""
+    burn_in: int = 3
+    steps: int = 10
+    sync: object = lambda: None
+    trace_prefix: str = ""
 
 
 def timed(fn, sync):
@@ -75,31 +114,40 @@ def timed(fn, sync):
     return time.perf_counter() - t0
 
 
-def side_by_side(a, b, work, unit, sync):
+def burn(fn, timing):
+    """the untimed calls before timing; returns the seconds of the first, which compiles (None when burn_in is 0)"""
+    first = timed(fn, timing.sync) if timing.burn_in else None
+    for _ in range(timing.burn_in - 1):
+        fn()
+    return first
+
+
+def side_by_side(a, b, work, unit, timing, compiled=False):
     """
     Median seconds per call of two (name, fn) sides, timed in the order A B B A A B ... after burn_in calls of each,
     so that drift (other processes on the machine, clocks, caches) lands on both alike. Prints both as throughput
-    (work units per call) and the ratio; every comparison in this file goes through here.
+    (work units per call) and the ratio, and with compiled=True each side's first, compiling call; every comparison
+    in this file goes through here.
     """
     sides = (a, b)
-    for _, fn in sides:
-        for _ in range(burn_in):
-            fn()
+    firsts = [burn(fn, timing) for _, fn in sides]
     times = ([], [])
-    for i in range(steps):
+    for i in range(timing.steps):
         for side in ((0, 1) if i % 2 == 0 else (1, 0)):
-            times[side].append(timed(sides[side][1], sync))
+            times[side].append(timed(sides[side][1], timing.sync))
     medians = [statistics.median(t) for t in times]
-    for (name, _), t in zip(sides, medians):
-        print0(f"{name:>34s}: {1000 * t:10.1f} ms {work / t:12,.0f} {unit}/s")
-    print0(f"{a[0]} / {b[0]}: {medians[1] / medians[0]:.2f}x the throughput (medians of {steps} alternating calls)")
-    if profile:
+    for (name, _), t, first in zip(sides, medians, firsts):
+        first_text = f" | first call (compile): {first:.2f} s" if compiled and first is not None else ""
+        print0(f"{name:>34s}: {1000 * t:10.1f} ms {work / t:12,.0f} {unit}/s{first_text}")
+    print0(f"{a[0]} / {b[0]}: {medians[1] / medians[0]:.2f}x the throughput (medians of {timing.steps} alternating "
+           f"calls)")
+    if timing.trace_prefix:
         for name, fn in sides:
-            trace(name, fn, sync)
+            trace(name, fn, timing)
     return medians
 
 
-def trace(name, fn, sync):
+def trace(name, fn, timing):
     """a chrome trace (open in chrome://tracing or ui.perfetto.dev) and the ops that took the most time"""
     from torch.profiler import ProfilerActivity
     cuda = torch.cuda.is_available()
@@ -107,9 +155,9 @@ def trace(name, fn, sync):
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(3):
             fn()
-            sync()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"trace_{part}_{name.replace(' ', '_')}.json")
+            timing.sync()
+    path = f"{timing.trace_prefix}{name.replace(' ', '_')}.json"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     prof.export_chrome_trace(path)
     print0(f"\nprofile of {name}, 3 calls (trace in {path}):")
     print0(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=20))
@@ -122,7 +170,7 @@ def peak_memory():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def build_model(rt, vocab_size):
+def build_model(rt, model_name, vocab_size, seed=1337):
     torch.manual_seed(seed)
     t5 = T5(T5Config.from_preset(model_name, vocab_size=vocab_size))
     return t5.to(rt.device)
@@ -158,97 +206,135 @@ class TransformersAdapter(torch.nn.Module):
         return out.logits, out.loss
 
 
-def batches(rt, vocab_size):
-    """get_batch for train_step: real batches from data_dir, a new one each step as train.py loads them, or one fixed
-    random batch (then the step has no data loading in it)"""
-    micro_batch_size = rt.micro_batch_size(batch_size, grad_accum_steps)
+def batches(rt, shape, vocab_size, data_dir="", seed=1337):
+    """get_batch for train_step: real batches from data_dir, a new one each step as train.py loads them (built ahead
+    in a thread, as train.py's Prefetcher does), or one fixed random batch (then the step has no data loading)"""
+    micro_batch_size = rt.micro_batch_size(shape.batch_size, shape.grad_accum_steps)
     if not data_dir:
         generator = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(0, vocab_size, (micro_batch_size, input_length), generator=generator)
-        labels = torch.randint(0, vocab_size, (micro_batch_size, targets_length), generator=generator)
+        input_ids = torch.randint(0, vocab_size, (micro_batch_size, shape.input_length), generator=generator)
+        labels = torch.randint(0, vocab_size, (micro_batch_size, shape.targets_length), generator=generator)
         input_ids, labels = input_ids.to(rt.device), labels.to(rt.device)
         return lambda micro_step: (input_ids, labels, None)
-    data = SpanCorruptionBatches(data_dir, "train", batch_size, input_length, noise_density, mean_noise_span_length,
-                                 seed, vocab_size)
-    step = -1
+    data = SpanCorruptionBatches(data_dir, "train", shape.batch_size, shape.input_length, shape.noise_density,
+                                 shape.mean_noise_span_length, seed, vocab_size)
+    prefetcher = Prefetcher(data, shape.grad_accum_steps, 0, 1, rt.device)
+    step, step_batches = -1, None
 
     def get_batch(micro_step):
-        nonlocal step
-        step += micro_step == 0
-        input_ids, labels = data.get(step, micro_step, grad_accum_steps, device=rt.device)
-        return input_ids, labels, None
+        nonlocal step, step_batches
+        if micro_step == 0:
+            step += 1
+            step_batches = prefetcher(step)
+        return step_batches(micro_step)
     return get_batch
 
 
-def training_step(net, rt, get_batch, compile_model):
+def training_step(net, rt, get_batch, grad_accum_steps, compile_model, lr=2e-2, grad_clip=1.0):
     """one call = one optimizer step of optim.train_step, with train.py's optimizer and clipping"""
     optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr)
     net = torch.compile(net) if compile_model else net
     return lambda: train_step(net, optimizer, get_batch, grad_accum_steps, lr, grad_clip, autocast=rt.autocast)
 
 
-def bench_train(rt, vocab_size, compile_model):
-    """ms/step, tokens/s, MFU and peak memory of our training step alone"""
-    t5 = build_model(rt, vocab_size)
-    step_fn = training_step(t5, rt, batches(rt, vocab_size), compile_model)
+def bench_train(rt, shape, vocab_size, compile_model, timing, peak_flops=0.0, data_dir="", seed=1337):
+    """our training step alone: (s/step, tokens/s, MFU or None, peak memory in bytes, first call's seconds)"""
+    t5 = build_model(rt, shape.model_name, vocab_size, seed)
+    step_fn = training_step(t5, rt, batches(rt, shape, vocab_size, data_dir, seed), shape.grad_accum_steps,
+                            compile_model)
     if rt.device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(burn_in):
-        step_fn()
-    dt = statistics.median(timed(step_fn, rt_sync) for _ in range(steps))
-    peak = peak_flops or rt.peak_flops()
-    mfu = t5.flops_per_step(batch_size, input_length, targets_length) / dt / peak if peak else None
-    if profile:
-        trace("ours", step_fn, rt_sync)
-    return dt, tokens_per_step / dt, mfu, peak_memory()
+    first = burn(step_fn, timing)
+    dt = statistics.median(timed(step_fn, timing.sync) for _ in range(timing.steps))
+    flops = t5.flops_per_step(shape.batch_size, shape.input_length, shape.targets_length)
+    mfu_now = mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops))
+    if timing.trace_prefix:
+        trace("ours", step_fn, timing)
+    return dt, shape.tokens_per_step / dt, mfu_now, peak_memory(), first
 
 
-def print_table(rt, vocab_size):
-    print0(f"{'precision':>10s} {'compile':>8s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>6s} {'peak mem':>9s} "
-           f"{'paper, A100':>12s}")
-    for row_compile in (False, True):
-        for row_dtype in ("float32", "tfloat32", "bfloat16"):
-            paper = PAPER_A100_S_PER_STEP.get((row_dtype, row_compile))
-            paper_text = f"{paper:12.2f}" if paper else f"{'-':>12s}"
-            head = f"{row_dtype:>10s} {'yes' if row_compile else 'no':>8s}"
-            if row_dtype == "tfloat32" and rt.device_type != "cuda":
-                print0(f"{head}  skipped: TF32 is an NVIDIA tensor-core mode, here it is float32   {paper_text}")
-                continue
-            row_rt = setup_runtime(device, row_dtype, seed)
-            dt, tokens_per_s, mfu, memory = bench_train(row_rt, vocab_size, row_compile)
-            mfu_text = f"{100 * mfu:5.1f}%" if mfu else f"{'-':>6s}"
-            print0(f"{head} {dt:8.2f} {tokens_per_s:10,.0f} {mfu_text} {memory / 2**30:7.2f}GB {paper_text}")
+def bench_train_fitting(rt, shape, vocab_size, compile_model, timing, peak_flops=0.0, data_dir="", seed=1337):
+    """
+    bench_train at the largest power-of-two micro-batch that fits in memory: from shape's own micro-batch down,
+    halving after each torch.OutOfMemoryError, with grad_accum_steps raised to keep the global batch. Returns (the
+    micro-batch used, bench_train's results); raises the last OutOfMemoryError when not even one example fits.
+    """
+    asked = shape.batch_size // shape.grad_accum_steps
+    micro = 1
+    while micro * 2 <= asked and shape.batch_size % (micro * 2) == 0:
+        micro *= 2
+    while True:
+        try:
+            return micro, bench_train(rt, replace(shape, grad_accum_steps=shape.batch_size // micro), vocab_size,
+                                      compile_model, timing, peak_flops, data_dir, seed)
+        except torch.OutOfMemoryError:
+            if micro == 1:
+                raise
+        # out of the except block, so that the failed attempt's tensors, held by the traceback, can be freed
+        micro //= 2
+        gc.collect()
+        if rt.device_type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def bench_train_side_by_side(rt, vocab_size):
-    t5 = build_model(rt, vocab_size)
+def print_table(device, shape, vocab_size, timing, peak_flops=0.0, data_dir="", seed=1337, rows=TABLE_ROWS):
+    """one line per (dtype, compile) row, each at the micro-batch that fits; a row that fails says why, and the
+    table goes on"""
+    print0(f"{'precision':>10s} {'compile':>8s} {'micro':>6s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>6s} "
+           f"{'peak mem':>9s} {'1st call':>8s} {'paper, A100':>12s}")
+    for row_dtype, row_compile in rows:
+        paper = PAPER_A100_S_PER_STEP.get((row_dtype, row_compile))
+        paper_text = f"{paper:12.2f}" if paper else f"{'-':>12s}"
+        head = f"{row_dtype:>10s} {'yes' if row_compile else 'no':>8s}"
+        row_rt = setup_runtime(device, row_dtype, seed)
+        if row_dtype == "tfloat32" and row_rt.device_type != "cuda":
+            print0(f"{head}  skipped: TF32 is an NVIDIA tensor-core mode, here it is float32   {paper_text}")
+            continue
+        try:
+            micro, (dt, tokens_per_s, mfu_now, memory, first) = bench_train_fitting(
+                row_rt, shape, vocab_size, row_compile, timing, peak_flops, data_dir, seed)
+        except Exception as e:  # one row's failure (out of memory at micro-batch 1, a compiler error) is reported
+            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print0(f"{head}  failed: {type(e).__name__}: {message[:80]}")
+            continue
+        mfu_text = f"{100 * mfu_now:5.1f}%" if mfu_now else f"{'-':>6s}"
+        first_text = f"{first:7.1f}s" if first is not None else f"{'-':>8s}"
+        print0(f"{head} {micro:6d} {dt:8.2f} {tokens_per_s:10,.0f} {mfu_text} {memory / 2**30:7.2f}GB {first_text} "
+               f"{paper_text}")
+
+
+def bench_train_side_by_side(rt, shape, vocab_size, compare, compile_model, timing, data_dir="", seed=1337):
+    t5 = build_model(rt, shape.model_name, vocab_size, seed)
     other = our_twin(t5, rt) if compare == "null" else TransformersAdapter(transformers_twin(t5, rt))
-    get_batch = batches(rt, vocab_size)
+    get_batch = batches(rt, shape, vocab_size, data_dir, seed)
     # both sides compiled or neither
-    side_by_side(("ours", training_step(t5, rt, get_batch, compile)),
-                 ("ours again" if compare == "null" else "transformers", training_step(other, rt, get_batch, compile)),
-                 tokens_per_step, "tok", rt_sync)
+    accum = shape.grad_accum_steps
+    side_by_side(("ours", training_step(t5, rt, get_batch, accum, compile_model)),
+                 ("ours again" if compare == "null" else "transformers",
+                  training_step(other, rt, get_batch, accum, compile_model)),
+                 shape.tokens_per_step, "tok", timing, compiled=compile_model)
 
 
-def bench_data():
+def bench_data(shape, compare, timing, seed=1337):
     """building one global batch of span-corrupted examples, as the data loader does every step"""
-    rows = batch_size or 128
+    rows, raw_length = shape.batch_size, shape.raw_length
     first_sentinel_id, eos_id = 32099, 1  # the T5 tokenizer's <extra_id_0> and </s>
     # uint16, as the loader reads windows out of the .bin shards
     tokens = np.random.default_rng(seed).integers(2, first_sentinel_id - 99, (rows, raw_length), dtype=np.uint16)
-    print0(f"span corruption of {rows} x {raw_length} tokens -> inputs {input_length}, targets {targets_length}")
+    print0(f"span corruption of {rows} x {raw_length} tokens -> inputs {shape.input_length}, targets "
+           f"{shape.targets_length}")
 
     def corrupt(implementation):
         # a fresh rng every call: every call does the same work
-        return lambda: implementation(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id,
-                                      np.random.default_rng(seed))
+        return lambda: implementation(tokens, shape.noise_density, shape.mean_noise_span_length, first_sentinel_id,
+                                      eos_id, np.random.default_rng(seed))
     from test_prepare import span_corrupt_per_example  # the reference implementation lives with its test
     reference = ("batched again", corrupt(span_corrupt)) if compare == "null" else \
         ("per example", corrupt(span_corrupt_per_example))
-    side_by_side(("batched", corrupt(span_corrupt)), reference, rows * raw_length, "tok", lambda: None)
+    side_by_side(("batched", corrupt(span_corrupt)), reference, rows * raw_length, "tok", timing)
 
 
-def bench_prepare():
+def bench_prepare(data_dir, dataset, num_proc, compare, timing):
     """prepare.py end to end (reading, tokenising in num_proc threads, writing shards) against one single-threaded
     sentencepiece call on the same documents, already in memory: the speed-up parallel tokenisation buys"""
     import sentencepiece as spm
@@ -269,11 +355,11 @@ def bench_prepare():
             prepare(dataset, model_file, folder, num_proc=num_proc)
     reference = ("prepare.py again", run_prepare) if compare == "null" else \
         ("one sp.encode call", lambda: sp.encode(texts, num_threads=1))
-    side_by_side((f"prepare.py, num_proc={num_proc}", run_prepare), reference, tokens, "tok", lambda: None)
+    side_by_side((f"prepare.py, num_proc={num_proc}", run_prepare), reference, tokens, "tok", timing)
 
 
-def bench_optim(rt, vocab_size):
-    t5 = build_model(rt, vocab_size)
+def bench_optim(rt, model_name, vocab_size, compare, timing, lr=2e-2, seed=1337):
+    t5 = build_model(rt, model_name, vocab_size, seed)
     twin = our_twin(t5, rt)
     for p, q in zip(t5.parameters(), twin.parameters()):
         p.grad = torch.randn_like(p) * 1e-3
@@ -284,16 +370,17 @@ def bench_optim(rt, vocab_size):
     else:
         reference = ("AdamW(foreach=True)", torch.optim.AdamW(param_groups(twin, 0.0), lr, foreach=True).step)
     print0(f"one optimizer step over {t5.num_params():,} parameters")
-    side_by_side(("AdamWScale", ours.step), reference, t5.num_params(), "param", rt_sync)
+    side_by_side(("AdamWScale", ours.step), reference, t5.num_params(), "param", timing)
 
 
-def bench_generate(rt, vocab_size):
+def bench_generate(rt, model_name, vocab_size, compare, timing, batch_size=8, input_length=512, max_new_tokens=128,
+                   seed=1337):
     """
-    Greedy decoding of generate_batch_size x max_new_tokens. Random weights often pick EOS early, and a batch that
-    stops early measures less work; both models get an EOS id no token can have (ours -1, transformers' None), so
-    both always run all max_new_tokens steps, and the shapes are checked below.
+    Greedy decoding of batch_size x max_new_tokens. Random weights often pick EOS early, and a batch that stops
+    early measures less work; both models get an EOS id no token can have (ours -1, transformers' None), so both
+    always run all max_new_tokens steps, and the shapes are checked below.
     """
-    t5 = build_model(rt, vocab_size).eval()
+    t5 = build_model(rt, model_name, vocab_size, seed).eval()
     other = our_twin(t5, rt) if compare == "null" else transformers_twin(t5, rt)
     other.eval()
     t5.config.eos_token_id = -1
@@ -302,7 +389,7 @@ def bench_generate(rt, vocab_size):
     else:
         other.generation_config.eos_token_id = None
     generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(2, vocab_size, (generate_batch_size, input_length), generator=generator).to(rt.device)
+    input_ids = torch.randint(2, vocab_size, (batch_size, input_length), generator=generator).to(rt.device)
 
     def ours(net):
         def run():
@@ -317,12 +404,12 @@ def bench_generate(rt, vocab_size):
         return out[:, 1:]  # transformers returns the decoder start token too
     reference = ("ours again", ours(other)) if compare == "null" else ("transformers", theirs)
     tokens_a, tokens_b = ours(t5)(), reference[1]()
-    expected = (generate_batch_size, max_new_tokens)
+    expected = (batch_size, max_new_tokens)
     if tokens_a.shape != expected or tokens_b.shape != expected:
         raise RuntimeError(f"generated {tuple(tokens_a.shape)} and {tuple(tokens_b.shape)} tokens, not {expected}")
     print0(f"greedy decoding of {expected[0]} x {expected[1]} new tokens after {input_length} input tokens; "
            f"{100 * (tokens_a == tokens_b).float().mean():.1f}% of the tokens agree")
-    side_by_side(("ours", ours(t5)), reference, generate_batch_size * max_new_tokens, "tok", rt_sync)
+    side_by_side(("ours", ours(t5)), reference, batch_size * max_new_tokens, "tok", timing)
 
 
 if __name__ == "__main__":
@@ -336,35 +423,39 @@ if __name__ == "__main__":
         raise UserError("--table=True times our training step alone; drop --part and --compare")
     torch.set_num_threads(threads or os.cpu_count())
     rt = setup_runtime(device, dtype, seed)
-    rt_sync = torch.cuda.synchronize if rt.device_type == "cuda" else lambda: None
     on_cuda = rt.device_type == "cuda"
-    model_name = model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small")
-    batch_size = batch_size or (128 if on_cuda or part == "data" else 4)
-    rt.micro_batch_size(batch_size, grad_accum_steps)  # a one-line error if the batch does not split
-    raw_length, targets_length = compute_input_and_target_lengths(input_length, noise_density, mean_noise_span_length)
-    tokens_per_step = batch_size * (input_length + targets_length)
-    vocab_size = T5Config.from_preset(model_name).vocab_size
+    shape = Shape(model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small"),
+                  batch_size or (128 if on_cuda or part == "data" else 4), grad_accum_steps, input_length,
+                  noise_density, mean_noise_span_length)
+    rt.micro_batch_size(shape.batch_size, shape.grad_accum_steps)  # a one-line error if the batch does not split
+    timing = Timing(burn_in, steps, torch.cuda.synchronize if on_cuda else lambda: None,
+                    os.path.join(out_dir, f"trace_{part}_") if profile else "")
+    vocab_size = T5Config.from_preset(shape.model_name).vocab_size
     if data_dir:
         vocab_size = load_meta(data_dir)["model_vocab_size"]
     name = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
-    shape = f"batch {batch_size} x ({input_length} input + {targets_length} target) | " if part == "train" else ""
-    print0(f"{name} | {model_name} | {part} | {shape}{dtype} | compile={compile} | "
+    shape_text = f"batch {shape.batch_size} x ({input_length} input + {shape.targets_length} target) | " \
+        if part == "train" else ""
+    print0(f"{name} | {shape.model_name} | {part} | {shape_text}{dtype} | compile={compile} | "
            f"{'data from ' + data_dir if data_dir else 'random ids'}")
 
     if part == "data":
-        bench_data()
+        bench_data(shape, compare, timing, seed)
     elif part == "prepare":
-        bench_prepare()
+        bench_prepare(data_dir, dataset, num_proc, compare, timing)
     elif part == "optim":
-        bench_optim(rt, vocab_size)
+        bench_optim(rt, shape.model_name, vocab_size, compare, timing, lr, seed)
     elif part == "generate":
-        bench_generate(rt, vocab_size)
+        bench_generate(rt, shape.model_name, vocab_size, compare, timing, generate_batch_size, input_length,
+                       max_new_tokens, seed)
     elif table:
-        print_table(rt, vocab_size)
+        print_table(device, shape, vocab_size, timing, peak_flops, data_dir, seed)
     elif compare:
-        bench_train_side_by_side(rt, vocab_size)
+        bench_train_side_by_side(rt, shape, vocab_size, compare, compile, timing, data_dir, seed)
     else:
-        dt, tokens_per_s, mfu, memory = bench_train(rt, vocab_size, compile)
-        mfu_text = f" | MFU {100 * mfu:.1f}%" if mfu else ""
-        print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | "
-               f"peak memory {memory / 2**30:.2f} GB")
+        dt, tokens_per_s, mfu_now, memory, first = bench_train(rt, shape, vocab_size, compile, timing, peak_flops,
+                                                               data_dir, seed)
+        mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
+        first_text = f" | first call (compile): {first:.2f} s" if compile and first is not None else ""
+        print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | peak memory "
+               f"{memory / 2**30:.2f} GB{first_text}")

@@ -1,0 +1,81 @@
+"""bench.py's functions called directly, as a test or a notebook would: a tiny training step, the table's fallback to
+a micro-batch that fits after running out of memory, and the first (compiling) call reported apart."""
+import pytest
+import torch
+
+import bench
+from runtime import setup_runtime
+
+TINY = bench.Shape("t5-tiny", batch_size=4, input_length=32)
+VOCAB = 256  # a small vocab keeps the embedding and lm_head, and so each step, small
+ONE_STEP = bench.Timing(burn_in=1, steps=1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # steps this small gain nothing from a second thread, and on a busy machine two spinning threads are ~10x slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_train_tiny():
+    rt = setup_runtime("cpu", "float32")
+    dt, tokens_per_s, mfu, memory, first = bench.bench_train(rt, TINY, VOCAB, False, ONE_STEP)
+    assert dt > 0 and tokens_per_s == pytest.approx(4 * (32 + TINY.targets_length) / dt)
+    assert mfu is None and memory > 0 and first > 0  # no known peak on a CPU
+    # with a peak given, MFU is the model's FLOPs per second over it
+    dt, _, mfu, _, _ = bench.bench_train(rt, TINY, VOCAB, False, ONE_STEP, peak_flops=1e12)
+    flops = bench.build_model(rt, "t5-tiny", VOCAB).flops_per_step(4, 32, TINY.targets_length)
+    assert mfu == pytest.approx(flops / dt / 1e12)
+
+
+def run_out_of_memory(monkeypatch, fails):
+    """make the training step raise torch.OutOfMemoryError when fails(micro-batch) is true; returns the micro-batch
+    of every step tried"""
+    tried, train_step = [], bench.train_step
+
+    def step(model, optimizer, get_batch, grad_accum_steps, *args, **kwargs):
+        micro_batch = len(get_batch(0)[0])
+        tried.append(micro_batch)
+        if fails(micro_batch):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+        return train_step(model, optimizer, get_batch, grad_accum_steps, *args, **kwargs)
+    monkeypatch.setattr(bench, "train_step", step)
+    return tried
+
+
+def test_out_of_memory_falls_back_to_the_largest_micro_batch_that_fits(monkeypatch):
+    tried = run_out_of_memory(monkeypatch, lambda micro_batch: micro_batch > 1)
+    rt = setup_runtime("cpu", "float32")
+    micro_batch, (dt, tokens_per_s, _, _, _) = bench.bench_train_fitting(rt, TINY, VOCAB, False, ONE_STEP)
+    assert micro_batch == 1 and tried == [4, 2, 1, 1]  # the first call of each size, then the timed call
+    assert tokens_per_s == pytest.approx(TINY.tokens_per_step / dt)  # still the whole global batch per step
+    tried.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        run_out_of_memory(monkeypatch, lambda micro_batch: True)
+        bench.bench_train_fitting(rt, TINY, VOCAB, False, ONE_STEP)
+
+
+def test_table_finishes_every_row(monkeypatch, capsys):
+    calls = iter(range(100))
+    # the first row runs out of memory at every micro-batch (4, 2, 1); the second fits at 2
+    tried = run_out_of_memory(monkeypatch, lambda micro_batch: next(calls) < 3 or micro_batch > 2)
+    bench.print_table("cpu", TINY, VOCAB, ONE_STEP, rows=[("float32", False), ("tfloat32", False),
+                                                          ("float32", False)])
+    lines = capsys.readouterr().out.splitlines()
+    assert tried == [4, 2, 1, 4, 2, 2]
+    failed, skipped, fitted = [line for line in lines if line.lstrip().startswith(("float32", "tfloat32"))]
+    assert "failed: OutOfMemoryError: CUDA out of memory" in failed
+    assert "skipped" in skipped
+    assert fitted.split()[2] == "2"  # the micro-batch column
+
+
+def test_side_by_side_reports_the_first_call_apart(capsys):
+    calls = []
+    timing = bench.Timing(burn_in=2, steps=2)
+    bench.side_by_side(("a", lambda: calls.append("a")), ("b", lambda: calls.append("b")), 1, "op", timing,
+                       compiled=True)
+    out = capsys.readouterr().out
+    assert out.count("first call (compile):") == 2 and calls.count("a") == calls.count("b") == 4
