@@ -219,11 +219,13 @@ class Prefetcher:
     def __init__(self, data, grad_accum_steps, rank, world_size, device):
         self.data, self.grad_accum_steps, self.rank, self.world_size = data, grad_accum_steps, rank, world_size
         self.device = torch.device(device)
-        on_cuda = self.device.type == "cuda"
-        # the thread pins on this rank's GPU, not on GPU 0 (which would cost every rank a CUDA context there)
-        self.pool = ThreadPoolExecutor(1, initializer=torch.cuda.set_device if on_cuda else None,
-                                       initargs=(self.device,) if on_cuda else ())
-        self.pin = on_cuda
+        self.pin = self.device.type == "cuda"
+        if self.pin:
+            gpu = torch.cuda.current_device() if self.device.index is None else self.device.index
+            # the thread pins on this rank's GPU, not on GPU 0 (which would cost every rank a CUDA context there)
+            self.pool = ThreadPoolExecutor(1, initializer=torch.cuda.set_device, initargs=(gpu,))
+        else:
+            self.pool = ThreadPoolExecutor(1)
         self.next = (None, None)  # (step, future of its host micro-batches)
 
     def _host(self, step):

@@ -386,6 +386,19 @@ def test_prefetcher_gives_each_step_its_batches(data_dir):
     assert set(threading.enumerate()) == threads  # its thread is gone
 
 
+def test_prefetcher_thread_pins_on_the_runs_gpu(data_dir, monkeypatch):
+    # no GPU here: the thread's choice of device is recorded instead; torch.cuda.set_device needs an index, and
+    # device 'cuda' (one GPU, no DDP) has none
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for device in ("cuda", "cuda:1"):
+        prefetcher = P.Prefetcher(batches(data_dir), 1, 0, 1, device)
+        prefetcher.pool.submit(int).result()  # the thread has started
+        prefetcher.close()
+    assert chosen == [3, 1]
+
+
 def test_stream_epoch_visits_every_window_once(data_dir):
     stream = batches(data_dir, batch_size=5)
     meta, raw = stream.meta, stream.raw_length
