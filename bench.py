@@ -25,13 +25,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from model import T5, T5Config
+from model import PRESETS, T5, T5Config
 from optim import make_optimizer, param_groups, train_step
 from prepare import Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, span_corrupt
-from runtime import UserError, mfu, print0, setup_runtime
+from runtime import DTYPES, UserError, check_device, mfu, print0, setup_runtime
 
 # -----------------------------------------------------------------------------------------------------------------
-# default config; --key=value overrides any of these
+# default config; --key=value overrides any of these, and `valid` below each group says what values they may take
+valid = {}
 part = "train"  # 'train', 'data' (span corruption), 'optim' (optimizer step), 'generate' (greedy decoding) or
 # 'prepare' (prepare.py's tokenising of `dataset` with data_dir's tokenizer vs one single-process sentencepiece call)
 compare = ""  # '': ours alone (train) or against the part's reference; 'hf': against transformers; 'null': ours twice
@@ -41,6 +42,8 @@ out_dir = "out/bench"  # profiler traces go here
 data_dir = ""  # a prepare.py folder to time real span-corrupted batches; '' -> random ids, no loading in the step
 dataset = "pydoc"  # part=prepare: the text to tokenise, any dataset prepare.py accepts (a big local file is fairest)
 num_proc = os.cpu_count()  # part=prepare: prepare.py's tokenising threads
+valid.update(part=("train", "data", "optim", "generate", "prepare"), compare=("", "hf", "null"), table="any",
+             profile="any", out_dir="non-empty", data_dir="any", dataset="non-empty", num_proc="> 0")
 # model and shapes
 model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
 batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's), 4 elsewhere (128 for part=data)
@@ -50,20 +53,25 @@ noise_density = 0.15
 mean_noise_span_length = 3.0
 generate_batch_size = 8
 max_new_tokens = 128
+valid.update(model=("", *PRESETS), batch_size=">= 0", grad_accum_steps="> 0", input_length=">= 3",
+             noise_density="in (0, 1)", mean_noise_span_length=">= 1", generate_batch_size="> 0", max_new_tokens="> 0")
 # the step, as train.py's defaults
 lr = 2e-2
 grad_clip = 1.0
+valid.update(lr="> 0", grad_clip=">= 0")
 # timing
 burn_in = 3  # untimed calls first: compilation, allocator and thread-pool warm-up, optimizer state creation; the
 # first one is timed apart and printed as "first call (compile)"
 steps = 10  # timed calls (per side when two are compared)
 peak_flops = 0.0  # dense peak FLOP/s for MFU; 0 -> runtime.PEAK_FLOPS for known GPUs
+valid.update(burn_in=">= 0", steps="> 0", peak_flops=">= 0")
 # system
 device = "auto"
 dtype = "bfloat16"
 compile = True
 threads = 0  # CPU threads for torch; 0 -> all cores
 seed = 1337
+valid.update(device=check_device, dtype=DTYPES, compile="any", threads=">= 0", seed=">= 0")
 # -----------------------------------------------------------------------------------------------------------------
 
 # the nanoT5 paper's Table 1: seconds per step of its default T5-v1.1-base pre-training step on one A100
@@ -414,9 +422,7 @@ def bench_generate(rt, model_name, vocab_size, compare, timing, batch_size=8, in
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-    if part not in ("train", "data", "optim", "generate", "prepare"):
-        raise UserError(f"part '{part}' is not one of train, data, optim, generate, prepare")
-    if compare not in ("", "hf", "null") or (compare == "hf" and part in ("data", "optim", "prepare")):
+    if compare == "hf" and part in ("data", "optim", "prepare"):
         raise UserError(f"compare '{compare}' is not valid here; use '' (the part's reference), 'null', or 'hf' "
                         f"with part=train or part=generate")
     if table and (part != "train" or compare):

@@ -25,13 +25,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from model import T5
-from optim import make_optimizer, param_groups, train_step
+from optim import check_optimizer, make_optimizer, param_groups, train_step
 from prepare import SentencePieceTokenizer, load_tokenizer, t5_spiece
-from runtime import (Checkpointer, Logger, UserError, atomic_write, checkpoint_state, load_checkpoint, print0,
-                     restore_rng, setup_runtime)
+from runtime import (DTYPES, Checkpointer, Logger, UserError, atomic_write, check_device, check_resume,
+                     checkpoint_state, claim_out_dir, load_checkpoint, print0, restore_rng, setup_runtime)
 
 # -----------------------------------------------------------------------------
-# default config values, those of nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data setup
+# default config values, those of nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data setup; below each
+# group, `valid` says what values its keys may take, which configurator.py checks before anything runs
+valid = {}
 # I/O
 data_dir = "natural-instructions"  # a clone of allenai/natural-instructions
 init_from = "out/ckpt.pt"  # a train.py/finetune.py checkpoint, a Hugging Face T5 name or folder, or 'resume'
@@ -40,11 +42,15 @@ eval_only = False  # only evaluate init_from on the test tasks
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "finetune"
+valid.update(data_dir="non-empty", init_from="non-empty", out_dir="non-empty", eval_only="any", wandb_log="any",
+             wandb_project="non-empty", wandb_run_name="any")
 # data
 max_num_instances_per_task = 100
 num_pos_examples = 2
 max_input_length = 1024  # tokens, EOS included
 max_target_length = 128
+valid.update(max_num_instances_per_task="> 0", num_pos_examples=">= 0", max_input_length="> 0",
+             max_target_length="> 0")
 # optimizer: AdamW at a constant lr, no warmup, no weight decay, no clipping
 optimizer = "adamw"
 lr = 5e-5
@@ -55,18 +61,23 @@ grad_accum_steps = 1
 epochs = 2
 max_steps = 0  # optimizer steps; 0: as many as `epochs` passes over the train examples take
 dropout = 0.1  # T5's fine-tuning dropout; pre-training runs without
+valid.update(optimizer=check_optimizer, lr="> 0", weight_decay=">= 0", grad_clip=">= 0", batch_size="> 0",
+             grad_accum_steps="> 0", epochs="> 0", max_steps=">= 0", dropout="in [0, 1)")
 # intervals, in optimizer steps, as in train.py
 eval_interval = 0  # Rouge-L on the test tasks every eval_interval steps; 0: only at the end
 log_interval = 10
 checkpoint_interval = 1000  # so that a killed run loses little
+valid.update(eval_interval=">= 0", log_interval="> 0", checkpoint_interval="> 0")
 # evaluation
 eval_batch_size = 32
 max_new_tokens = 128
+valid.update(eval_batch_size="> 0", max_new_tokens="> 0")
 # system
 device = "auto"  # cuda > mps > cpu
 dtype = "float32"  # the paper's fine-tuning numbers are fp32; 'bfloat16' is faster on GPUs that have it
 compile = False  # batches are padded to their longest prompt, so every new length would compile again
 seed = 1337
+valid.update(device=check_device, dtype=DTYPES, compile="any", seed=">= 0")
 # -----------------------------------------------------------------------------
 
 
@@ -97,8 +108,12 @@ def load_split(data_dir, split, max_num_instances_per_task, seed):
     if not os.path.isfile(split_file):
         raise UserError(f"no SNI split file {split_file}: get the data with "
                         f"`git clone https://github.com/allenai/natural-instructions {data_dir}`")
-    with open(split_file, encoding="utf-8") as f:
-        task_names = [line.strip() for line in f if line.strip()]
+    try:
+        with open(split_file, encoding="utf-8") as f:
+            task_names = [line.strip() for line in f if line.strip()]
+    except UnicodeDecodeError as e:
+        raise UserError(f"{split_file} is not UTF-8 text ({e.reason} at byte {e.start}): is {data_dir} a clone of "
+                        f"allenai/natural-instructions?") from None
     examples, skipped = [], []
     for name in task_names:
         task = read_task(os.path.join(data_dir, "tasks", name + ".json"))
@@ -232,7 +247,7 @@ def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens,
                 generated = model.generate(input_ids.to(device), attention_mask.to(device), max_new_tokens)
             for i, ids in zip(indices, generated.tolist()):
                 ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
-                predictions.append((i, tokenizer.decode(ids)))
+                predictions.append((i, tokenizer.decode(ids, skip_special_tokens=True)))  # as Tk-Instruct scores
             bar.update(len(indices))
     return predictions
 
@@ -248,6 +263,8 @@ if __name__ == "__main__":
     resuming = init_from == "resume"
     model, ckpt = load_model(ckpt_path if resuming else init_from, dropout)
     meta = ckpt["meta"] if ckpt is not None else None
+    if resuming:
+        check_resume(ckpt, ckpt_path, config, meta, fixed=("optimizer",))
     spiece = os.path.join(init_from, "spiece.model")  # Hub folders usually carry it; t5-v1_1 and flan-t5 share one
     if meta is not None:
         tokenizer = load_tokenizer(meta)
@@ -267,6 +284,8 @@ if __name__ == "__main__":
         raise UserError(f"the tokenizer makes id {top_id} but the model has vocab_size {model.config.vocab_size}: "
                         f"{init_from} was not trained with this tokenizer")
     print0(f"{len(train_examples):,} train and {len(test_examples):,} test examples")
+    # before training: a new run never replaces a checkpoint, and two runs never write one out_dir
+    out_dir_lock = claim_out_dir(out_dir, rt, fresh=not (resuming or eval_only))  # held while the process lives
 
     model.to(rt.device)
     step = ckpt["step"] if resuming else 0  # optimizer steps done

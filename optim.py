@@ -172,7 +172,10 @@ def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min
         if step < decay_start:
             return min(lr, 1 / math.sqrt(step)) if step > 0 else lr
         return min(lr, 1 / math.sqrt(decay_start)) * (max_steps - step) / (max_steps - decay_start)
-    raise UserError(f"unknown lr_schedule '{schedule}': use one of cosine, inverse_sqrt, constant")
+    raise UserError(f"unknown lr_schedule '{schedule}': use one of {', '.join(LR_SCHEDULES)}")
+
+
+LR_SCHEDULES = ("cosine", "inverse_sqrt", "constant")
 
 
 def param_groups(model, weight_decay, no_decay=("ln_",)):
@@ -188,8 +191,17 @@ def param_groups(model, weight_decay, no_decay=("ln_",)):
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": not_decayed, "weight_decay": 0.0}]
 
 
+OPTIMIZERS = ("adamwscale", "adafactor", "adamw")
+
+
+def check_optimizer(name):
+    if name not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer '{name}': use one of {', '.join(OPTIMIZERS)}")
+
+
 def make_optimizer(name, groups, lr):
     """The optimizer named by train.py's `optimizer` config key; each group's weight_decay comes from param_groups."""
+    check_optimizer(name)
     if name == "adamwscale":
         return AdamWScale(groups, lr=lr)
     if name == "adafactor":
@@ -198,7 +210,6 @@ def make_optimizer(name, groups, lr):
         # eps 1e-6 is HF AdamW's, the one nanoT5 ran; fused does the whole step in one kernel per chunk of tensors
         device_type = next(p for g in groups for p in g["params"]).device.type
         return torch.optim.AdamW(groups, lr=lr, eps=1e-6, fused=device_type in ("cuda", "cpu"))
-    raise UserError(f"unknown optimizer '{name}': use one of adamwscale, adafactor, adamw")
 
 
 def train_step(model, optimizer, get_batch, grad_accum_steps=1, lr=None, grad_clip=0.0, z_loss=0.0,

@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -22,23 +23,29 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from runtime import UserError, atomic_write, commit, micro_batch_size
+from runtime import WRITE_ERRNOS, UserError, atomic_write, commit, discard, micro_batch_size, write_error
 
 # -----------------------------------------------------------------------------------------------------------------
-# default config for `python prepare.py`; --key=value overrides any of these
+# default config for `python prepare.py`; --key=value overrides any of these, `valid` says what values they may take
+NUM_SENTINELS = 100
+MAX_VOCAB_SIZE = (1 << 16) - NUM_SENTINELS  # ids are stored as uint16
+valid = {}
 dataset = "c4"  # 'c4', a Hub dataset name, a local .txt/.jsonl/.json(.gz)/.parquet file, or 'pydoc' (offline)
 text_field = "text"
 tokenizer = "t5"  # 't5', a local sentencepiece .model file, 'gpt2', or 'train' (a new sentencepiece model)
 vocab_size = 32000  # pieces of the trained model, for tokenizer='train'
 out_dir = "data/c4"
+valid.update(dataset="non-empty", text_field="non-empty", tokenizer="non-empty", vocab_size=f"in [1, {MAX_VOCAB_SIZE}]",
+             out_dir="non-empty")
 max_train_tokens = 0  # stop after this many train tokens; 0 = the whole dataset
 num_proc = os.cpu_count()  # tokenising threads
 shard_tokens = 100_000_000  # 200 MB per shard
 val_fraction = 0.005  # documents held out of a dataset that has no validation split
 max_val_tokens = 10_000_000
+valid.update(max_train_tokens=">= 0", num_proc="> 0", shard_tokens="> 0", val_fraction="in (0, 1)",
+             max_val_tokens="> 0")
 # -----------------------------------------------------------------------------------------------------------------
 
-NUM_SENTINELS = 100
 LOCAL_EXTENSIONS = (".txt", ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".txt.gz", ".parquet")
 OFFLINE_OPTIONS = "use --dataset=pydoc (offline corpus) or a local .txt/.jsonl/.json(.gz)/.parquet file"
 
@@ -56,6 +63,11 @@ def _noise_counts(length, noise_density, mean_noise_span_length):
 def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
     """The longest raw window whose corrupted inputs fit in inputs_length, and its targets length (T5's
     random_spans_helper): 512 -> (568, 114) at density 0.15, mean span 3."""
+    # outside these the search below never ends (density 1 keeps the inputs at 3 tokens however long the window)
+    if not (inputs_length >= 3 and 0 < noise_density < 1 and mean_noise_span_length >= 1):
+        raise UserError(f"span corruption needs input_length >= 3 (got {inputs_length}), 0 < noise_density < 1 (got "
+                        f"{noise_density}) and mean_noise_span_length >= 1 (got {mean_noise_span_length})")
+
     def corrupted_lengths(raw_length):
         num_noise, num_spans = _noise_counts(raw_length, noise_density, mean_noise_span_length)
         # inputs: kept tokens + one sentinel per span + EOS; targets: one sentinel per span + noise + EOS
@@ -138,11 +150,10 @@ class SpanCorruptionBatches:
             input_length, noise_density, mean_noise_span_length)
         self.raw_length, self.targets_length = compute_input_and_target_lengths(
             input_length, noise_density, mean_noise_span_length)
-        self.files = [os.path.join(data_dir, f) for f in (self.meta["train_shards"] if split == "train"
-                                                          else ["val.bin"])]
-        for path in self.files:
-            if not os.path.isfile(path):
-                raise UserError(f"{path} is missing: re-run prepare.py for {data_dir}")
+        names = self.meta["train_shards"] if split == "train" else ["val.bin"]
+        for problem in damaged_files(data_dir, self.meta, names).values():
+            raise UserError(f"{problem}: rebuild it with `{prepare_command(self.meta)}`")
+        self.files = [os.path.join(data_dir, name) for name in names]
         self.shards = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.files]
         # non-overlapping windows within each shard; the < raw_length tokens at each shard's end are dropped
         windows = [len(s) // self.raw_length for s in self.shards]
@@ -176,7 +187,8 @@ class SpanCorruptionBatches:
         if top >= self.vocab_size:
             bad = self.files[shard[np.nonzero(raw.max(axis=1) == top)[0][0]]]
             raise UserError(f"{bad} holds token id {top}, beyond the model's vocab_size {self.vocab_size}: the data "
-                            f"is corrupt or from another tokenizer; re-run prepare.py")
+                            f"is corrupt or from another tokenizer; delete {self.meta['data_dir']} and make it again "
+                            f"with `{prepare_command(self.meta)}`")
         rng = RowGenerators([[self.seed, 1, step, row] if self.split == "train" else [2, step, row]
                              for row in range(first, first + count)])
         inputs, targets = span_corrupt(raw, self.noise_density, self.mean_noise_span_length,
@@ -270,10 +282,46 @@ def load_meta(data_dir):
         raise UserError(f"{data_dir} holds no prepared data (no meta.json): run e.g. `python prepare.py "
                         f"--dataset=c4 --out_dir={data_dir}` or `python prepare.py --dataset=pydoc --tokenizer=train "
                         f"--vocab_size=4000 --out_dir={data_dir}`")
-    with open(path) as f:
-        meta = json.load(f)
+    meta = _read_json(path)
     meta["data_dir"] = os.path.abspath(data_dir)
     return meta
+
+
+def _read_json(path):
+    """meta.json or progress.json of a prepared folder; they are written atomically, so only a hand edit breaks them"""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except ValueError:  # not JSON, not UTF-8
+        obj = None
+    if not isinstance(obj, dict) or "settings" not in obj:
+        raise UserError(f"{path} is not the JSON prepare.py writes: delete its folder and prepare it again")
+    return obj
+
+
+def damaged_files(data_dir, meta, names):
+    """{name: '<path> is missing' or '<path> holds n tokens, not the m of meta.json'} for each of the named files of a
+    prepared folder (shards, val.bin, the tokenizer model) that is not as prepare.py wrote it. Sizes only: nothing is
+    read."""
+    n, full = len(meta["train_shards"]), meta["settings"]["shard_tokens"]
+    # every shard is full but the last
+    tokens = dict(zip(meta["train_shards"], [full] * (n - 1) + [meta["train_tokens"] - full * (n - 1)]))
+    tokens["val.bin"] = meta["val_tokens"]
+    damaged = {}
+    for name in names:
+        path = os.path.join(data_dir, name)
+        if not os.path.isfile(path):
+            damaged[name] = f"{path} is missing"
+        elif name in tokens and os.path.getsize(path) != 2 * tokens[name]:
+            damaged[name] = f"{path} holds {os.path.getsize(path) / 2:,g} tokens, not the {tokens[name]:,} of meta.json"
+    return damaged
+
+
+def prepare_command(meta):
+    """The command line that made a prepared folder; run again, it rebuilds the folder's damaged files."""
+    flags = " ".join(f"--{key}={shlex.quote(str(value))}" for key, value in meta["settings"].items()
+                     if value is not None)
+    return f"python prepare.py {flags} --out_dir={shlex.quote(meta['data_dir'])}"
 
 
 def load_tokenizer(meta_or_data_dir):
@@ -281,7 +329,7 @@ def load_tokenizer(meta_or_data_dir):
     meta = load_meta(meta_or_data_dir) if isinstance(meta_or_data_dir, str) else meta_or_data_dir
     model_file = meta["tokenizer_file"] and os.path.join(meta["data_dir"], meta["tokenizer_file"])
     if model_file and not os.path.isfile(model_file):
-        raise UserError(f"tokenizer model {model_file} is missing: re-run prepare.py for {meta['data_dir']}")
+        raise UserError(f"tokenizer model {model_file} is missing: rebuild it with `{prepare_command(meta)}`")
     return _make_tokenizer(model_file)
 
 
@@ -367,12 +415,35 @@ def _write_train(docs, tok, num_threads, out_dir, state, shard_tokens, max_token
                 break
         if shard is not None:  # the data ran out: the last shard is short
             finish_shard(chunk_doc, 0)
+    except OSError as e:
+        if e.errno in WRITE_ERRNOS:  # a full disk; other OSErrors come from reading the input
+            raise write_error(os.path.join(out_dir, f"train_{len(shards):03d}.bin"), e) from None
+        raise
     finally:
         if shard is not None and not shard.closed:  # interrupted: drop the unfinished shard
-            shard.close()
-            os.remove(shard.name)
+            discard(shard)
         chunks.close()
         bar.close()
+
+
+def _plan_rebuild(out_dir, meta, damaged):
+    """Turn a finished folder with damaged files back into an interrupted run that rebuilds them: val.bin if it is
+    damaged, the shards from the first damaged one on (where a shard starts in the documents is known from the end
+    of the one before), and everything if the tokenizer model is lost (the shards may not be its ids)."""
+    first_problem = next(iter(damaged.values()))
+    if "shards" not in meta:
+        raise UserError(f"{first_problem}, and {out_dir} was prepared by an older prepare.py that can't rebuild it: "
+                        f"delete {out_dir} and run this command again")
+    print(f"{first_problem}: rebuilding it")
+    first_damaged = next((i for i, name in enumerate(meta["train_shards"]) if name in damaged), None)
+    state = {"settings": meta["settings"], "val": {"tokens": meta["val_tokens"], "documents": meta["val_documents"]},
+             "shards": meta["shards"][:first_damaged]}
+    if "val.bin" in damaged:
+        state["val"] = None
+    if meta["tokenizer_file"] in damaged:
+        state["val"], state["shards"] = None, []
+    _write_json(os.path.join(out_dir, "progress.json"), state)
+    os.remove(os.path.join(out_dir, "meta.json"))
 
 
 def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, max_train_tokens=None, num_proc=1,
@@ -386,17 +457,21 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
     meta_path, state_path = os.path.join(out_dir, "meta.json"), os.path.join(out_dir, "progress.json")
     for path in (meta_path, state_path):
         if os.path.isfile(path):
-            with open(path) as f:
-                before = json.load(f)["settings"]
+            before = _read_json(path)["settings"]
             if before != settings:
                 changed = ", ".join(f"{k} {before.get(k)!r} -> {v!r}" for k, v in settings.items()
                                     if before.get(k) != v)
                 raise UserError(f"{out_dir} was prepared with other settings ({changed}): use another --out_dir, "
                                 f"or delete it to start over")
             if path == meta_path:
-                return load_meta(out_dir)
-    if tokenizer == "train" and not 0 < vocab_size <= (1 << 16) - NUM_SENTINELS:
-        raise UserError(f"vocab_size={vocab_size} must be in 1..{(1 << 16) - NUM_SENTINELS} so that ids fit uint16")
+                meta = load_meta(out_dir)
+                damaged = damaged_files(out_dir, meta, [name for name in (meta["tokenizer_file"], "val.bin",
+                                                                         *meta["train_shards"]) if name])
+                if not damaged:
+                    return meta
+                _plan_rebuild(out_dir, meta, damaged)
+    if tokenizer == "train" and not 0 < vocab_size <= MAX_VOCAB_SIZE:
+        raise UserError(f"vocab_size={vocab_size} must be in 1..{MAX_VOCAB_SIZE} so that ids fit uint16")
     max_train_tokens = max_train_tokens or float("inf")
 
     # fail on an empty or unreadable input before writing anything
@@ -407,9 +482,9 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
                         f"'{text_field}' values; local files also hold out one in {round(1 / val_fraction)} for val)")
     os.makedirs(out_dir, exist_ok=True)
     state = {"settings": settings, "val": None, "shards": []}
-    if os.path.isfile(state_path):
-        with open(state_path) as f:
-            state = json.load(f)
+    continuing = os.path.isfile(state_path)
+    if continuing:
+        state = _read_json(state_path)
         print(f"continuing in {out_dir}: {len(state['shards'])} train shards already done")
 
     def save_state():
@@ -418,7 +493,8 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
     model_file = os.path.join(out_dir, "tokenizer.model")
     if tokenizer == "gpt2":
         model_file = None
-    elif not os.path.isfile(model_file):
+    elif not (continuing and os.path.isfile(model_file)):
+        # a new run makes its own: a tokenizer.model that another run left in out_dir may be another tokenizer
         if tokenizer == "train":
             print(f"training a {vocab_size}-piece sentencepiece model on {dataset}")
             spiece = _train_spiece(documents(dataset, "train", text_field, val_fraction), vocab_size)
@@ -427,6 +503,7 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
             if not os.path.isfile(source):
                 raise UserError(f"tokenizer '{tokenizer}' is not 't5', 'gpt2', 'train' or a sentencepiece "
                                 f".model file")
+            SentencePieceTokenizer(source)  # a file that is no sentencepiece model stops here, before it is copied
             with open(source, "rb") as f:
                 spiece = f.read()
         with atomic_write(model_file) as f:
@@ -434,7 +511,7 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
     tok = _make_tokenizer(model_file)
     if tok.vocab_size > 1 << 16:
         raise UserError(f"the tokenizer's {tok.vocab_size} ids don't fit uint16: use one with at most "
-                        f"{(1 << 16) - NUM_SENTINELS} pieces")
+                        f"{MAX_VOCAB_SIZE} pieces")
 
     if state["val"] is None:
         state["val"] = _write_val(documents(dataset, "val", text_field, val_fraction), tok, num_proc,
@@ -449,6 +526,7 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
             "vocab_size": tok.vocab_size, "model_vocab_size": math.ceil(tok.vocab_size / 128) * 128,
             "eos_id": tok.eos_id, "pad_id": tok.pad_id, "first_sentinel_id": tok.first_sentinel_id,
             "num_sentinels": NUM_SENTINELS, "train_shards": [f"train_{i:03d}.bin" for i in range(len(shards))],
+            "shards": shards,  # each one's tokens and where the next starts, so that a lost one can be rebuilt
             "train_tokens": sum(s["tokens"] for s in shards), "val_tokens": state["val"]["tokens"],
             "train_documents": shards[-1]["next_doc"] + (shards[-1]["next_offset"] > 0),
             "val_documents": state["val"]["documents"]}
@@ -559,6 +637,17 @@ def _local_batches(path, text_field):
     return _columns(split, text_field, path)
 
 
+def _read_errors_named(path, text_field):
+    """_local_batches, with a file that can't be read to its end (truncated or corrupt gzip, not UTF-8, unreadable)
+    as one line naming it"""
+    import pyarrow as pa
+    try:
+        yield from _local_batches(path, text_field)
+    except (OSError, EOFError, UnicodeDecodeError, pa.ArrowException) as e:
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise UserError(f"could not read {path}: {reason}") from None
+
+
 def _columns(split, text_field, source):
     # batches of rows are ~6x faster to read than one dict per row
     for batch in split.iter(batch_size=1000):
@@ -586,7 +675,7 @@ def documents(dataset, split, text_field="text", val_fraction=0.005):
         if not os.path.isfile(dataset):
             raise UserError(f"input file {dataset} not found (datasets are 'c4', a Hub name, 'pydoc' or a local "
                             f"{'/'.join(LOCAL_EXTENSIONS)} file)")
-        docs = _texts(_local_batches(dataset, text_field))
+        docs = _texts(_read_errors_named(dataset, text_field))
     else:
         import datasets
         repo_id, config_name = ("allenai/c4", "en") if name == "c4" else (dataset, None)
@@ -620,16 +709,20 @@ class _Tokenizer:
     def is_sentinel(self, i):
         return self.first_sentinel_id - NUM_SENTINELS < i <= self.first_sentinel_id
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=False):
+        """skip_special_tokens drops sentinels, EOS and UNK too, as Hugging Face's decode(skip_special_tokens=True)
+        does: how Tk-Instruct decodes the predictions it scores."""
+        skipped = {self.pad_id, *((self.eos_id, self.unk_id) if skip_special_tokens else ())}
         # sentinels are not in the underlying vocab, so decode the runs between them and spell them out, with a
         # space on each side as T5's own tokenizer shows them
         parts, run = [], []
         for i in ids:
             i = int(i)
             if self.is_sentinel(i):
-                parts += [self._decode_pieces(run), f"<extra_id_{self.first_sentinel_id - i}>"]
-                run = []
-            elif i != self.pad_id and i < self.vocab_size:  # the model's vocab is padded past the tokenizer's
+                if not skip_special_tokens:
+                    parts += [self._decode_pieces(run), f"<extra_id_{self.first_sentinel_id - i}>"]
+                    run = []
+            elif i not in skipped and i < self.vocab_size:  # the model's vocab is padded past the tokenizer's
                 run.append(i)
         return " ".join(part for part in parts + [self._decode_pieces(run)] if part)
 
@@ -639,9 +732,13 @@ class SentencePieceTokenizer(_Tokenizer):
 
     def __init__(self, model_file):
         import sentencepiece as spm
-        self.sp = spm.SentencePieceProcessor(model_file=model_file)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as e:  # e.g. "INTERNAL: could not parse ModelProto from x.model"
+            reason = str(e).split(": ", 1)[-1]
+            raise UserError(f"{model_file} can't be read as a sentencepiece model ({reason})") from None
         self.vocab_size = self.sp.get_piece_size() + NUM_SENTINELS
-        self.eos_id, self.pad_id = self.sp.eos_id(), self.sp.pad_id()
+        self.eos_id, self.pad_id, self.unk_id = self.sp.eos_id(), self.sp.pad_id(), self.sp.unk_id()
         self.first_sentinel_id = self.vocab_size - 1
 
     def encode(self, text):
@@ -667,6 +764,7 @@ class Gpt2Tokenizer(_Tokenizer):
             raise UserError(f"tiktoken could not download GPT-2's BPE files ({type(e).__name__}); offline, use "
                             f"--tokenizer=train or a local sentencepiece .model file") from None
         self.eos_id = self.enc.eot_token
+        self.unk_id = None  # byte-level BPE has no unknown token
         self.first_sentinel_id = self.enc.n_vocab + NUM_SENTINELS - 1
         self.pad_id = self.first_sentinel_id + 1
         self.vocab_size = self.pad_id + 1

@@ -1,9 +1,12 @@
 """
 The runtime that train.py, finetune.py, bench.py and prepare.py share, one copy of each piece: files written
-atomically, print0, the device/dtype/DDP set-up and the GPUs' peak FLOP/s, the log, stop signals, and the checkpoint
-files with the one save-and-stop pattern of the training loops. The optimizers are in optim.py, the model in model.py.
+atomically, print0, the device/dtype/DDP set-up and the GPUs' peak FLOP/s, the log, stop signals, the claim on a run's
+out_dir and the resume check, and the checkpoint files with the one save-and-stop pattern of the training loops. The
+optimizers are in optim.py, the model in model.py.
 """
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import signal
@@ -21,26 +24,54 @@ from model import UserError  # noqa: F401
 # -----------------------------------------------------------------------------------------------------------------
 # writing files atomically
 
+# errors that only writing can meet: disk or quota full, file too large, read-only file system
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def write_error(path, e):
+    """The one-line error for an OSError met while writing path; atomic writes leave any previous path as it was."""
+    kept = f"; the previous {os.path.basename(path)} is unchanged" if os.path.exists(path) else ""
+    return UserError(f"could not write {path}: {e.strerror}{kept}")
+
+
+def discard(f):
+    """Close and delete an unfinished temporary file. Closing flushes, which may fail again as the write did."""
+    with contextlib.suppress(OSError):
+        f.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(f.name)
+
+
 def commit(f, path):
     """Finish a file written under a temporary name: flush it to disk, then rename it to path in one step."""
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-    os.replace(f.name, path)
+    try:
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(f.name, path)
+    except OSError as e:
+        discard(f)
+        raise write_error(path, e) from None
 
 
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
     """Write to path.tmp and rename it to path once complete: a crash or Ctrl-C mid-write leaves the previous file
-    intact, never a truncated one under the final name."""
-    f = open(path + ".tmp", mode)
+    intact, never a truncated one under the final name. Failing to write (no such folder, no permission, disk full)
+    is one UserError naming path."""
+    try:
+        f = open(path + ".tmp", mode)
+    except OSError as e:
+        raise write_error(path, e) from None
     try:
         yield f
-        commit(f, path)
-    finally:
-        if not f.closed:
-            f.close()
-            os.remove(f.name)
+    except BaseException as e:
+        discard(f)
+        # another OSError is the caller's own, e.g. from reading an input inside the block, and keeps its message
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            raise write_error(path, e) from None
+        raise
+    commit(f, path)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -164,10 +195,21 @@ class Runtime:
         return peak
 
 
+def check_device(name):
+    """'auto', or a device of a kind this code runs on, spelled as torch spells it: cpu, cuda, cuda:1, mps"""
+    try:
+        known = name == "auto" or torch.device(name).type in ("cpu", "cuda", "mps")
+    except RuntimeError:  # "Invalid device string", "Expected one of cpu, cuda, ..."
+        known = False
+    if not known:
+        raise UserError(f"device '{name}' is not one this code runs on: use auto, cpu, cuda, cuda:N or mps")
+
+
 def setup_runtime(device="auto", dtype="bfloat16", seed=1337):
     """Pick the device, join the torchrun process group if there is one, seed, and set the float modes."""
     if dtype not in DTYPES:
         raise UserError(f"dtype '{dtype}' is not supported; use bfloat16, tfloat32 or float32")
+    check_device(device)
     ddp = "RANK" in os.environ  # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -180,6 +222,8 @@ def setup_runtime(device="auto", dtype="bfloat16", seed=1337):
         dtype = "float32"
     if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device '{device}' asked for, but torch sees no CUDA GPU; use --device=cpu")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"device '{device}' asked for, but torch sees no Apple GPU; use --device=cpu")
     if ddp and device_type == "cuda":
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
@@ -229,8 +273,11 @@ class Logger:
     def log(self, record):
         if self.path is None:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise write_error(self.path, e) from None
         if self.wandb is not None:
             self.wandb.log(record, step=record.get("step"))
 
@@ -250,6 +297,86 @@ class StopSignal:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
+
+# -----------------------------------------------------------------------------------------------------------------
+# the run's folder: one run at a time, never over another run's checkpoint, and a resume continues its own run
+
+def claim_out_dir(out_dir, rt, fresh):
+    """
+    Called before a run does any work: it stops with one line rather than lose or mix anyone's files.
+    - fresh=True (a run that starts a new checkpoint): refuses an out_dir holding one, which the run would replace;
+      forgetting --init_from=resume must not cost the run it meant to continue.
+    - out_dir must be writable, and no other run may be writing it: the run holds an exclusive flock on out_dir/lock
+      (the file keeps the holder's pid) until its process ends. The OS releases a flock however the process dies, so
+      a crashed run never blocks the next, and no stale lock needs deleting.
+    Rank 0 decides and every rank raises the same error. fresh=False with no out_dir yet (a resume that will not
+    find its checkpoint, an evaluation) creates nothing. Returns the open lock file, or None: keep it while the run
+    lasts.
+    """
+    problem = lock = None
+    if rt.master:
+        problem, lock = _claim(out_dir, fresh)
+    if rt.ddp:
+        problem = [problem]
+        torch.distributed.broadcast_object_list(problem, src=0)
+        problem = problem[0]
+    if problem:
+        raise UserError(problem)
+    return lock
+
+
+def _claim(out_dir, fresh):
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    if fresh and os.path.exists(ckpt_path):
+        return (f"{ckpt_path} exists and this run would replace it: pass --init_from=resume to continue that run, or "
+                f"another --out_dir to start a new one"), None
+    if not fresh and not os.path.isdir(out_dir):
+        return None, None
+    path = os.path.join(out_dir, "lock")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        lock = open(path, "a+")
+    except OSError as e:
+        return f"can't write to out_dir {out_dir}: {e.strerror}", None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        return (f"another run (pid {lock.read().strip() or '?'}) is writing {out_dir}: wait for it to finish, or "
+                f"use another --out_dir"), None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return None, lock
+
+
+def check_resume(ckpt, path, config, meta, fixed):
+    """
+    A resumed run continues the run in its checkpoint (read from path): the config keys in `fixed` (what its weights
+    and optimizer state were made with) and the settings its data was prepared with must keep their saved values, or
+    the run stops with one line listing each difference. Other keys (lr, max_steps, intervals...) may change; the line
+    that announces the resume says which did.
+    """
+    def settings(config, meta):
+        # the data as prepare.py made it, wherever its folder is now
+        return {**config, **{f"data.{k}": v for k, v in ((meta or {}).get("settings") or {}).items()}}
+    saved, current = settings(ckpt["config"], ckpt["meta"]), settings(config, meta)
+    fixed = (*fixed, *(key for key in current if key.startswith("data.")))
+
+    def differences(keys):
+        return [f"{key} {saved[key]!r} -> {current[key]!r}" for key in keys
+                if key in saved and key in current and saved[key] != current[key]]
+    wrong = differences(fixed)
+    if wrong:
+        raise UserError(f"--init_from=resume continues the run in {path}, which had other settings "
+                        f"({', '.join(wrong)}): set them back, or start a new run in another --out_dir")
+    changed = differences(key for key in current if key not in fixed and key != "init_from")
+    print0(f"resuming from {path} at step {ckpt['step']}" + (f"; changed on resume: {', '.join(changed)}"
+                                                             if changed else ""))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# checkpoint files and the save-and-stop pattern
 
 def save_checkpoint(path, state):
     with atomic_write(path) as f:

@@ -2,6 +2,7 @@
 finetune.py on a made-up Super-Natural-Instructions clone: the task-file parser, Tk-Instruct's prompt to the byte,
 Rouge-L against the rouge-score package, and fine-tuning plus evaluation run end to end as a user runs them.
 """
+import contextlib
 import json
 import os
 import random
@@ -13,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from finetune import build_prompt, collate, compute_metrics, exact_match, load_split, rouge_l, tokenize_example
+from finetune import (build_prompt, collate, compute_metrics, exact_match, generate_predictions, load_split, rouge_l,
+                      tokenize_example)
 from model import T5, T5Config, UserError
 from runtime import checkpoint_state, save_checkpoint
 from prepare import prepare
@@ -254,3 +256,21 @@ def test_ids_past_the_model_vocab_are_caught_at_loading(sni_dir, ckpt_path, tmp_
     save_checkpoint(path, ckpt)
     r = run([f"--data_dir={sni_dir}", f"--init_from={path}", "--device=cpu", f"--out_dir={tmp_path}"])
     assert r.returncode == 1 and "vocab_size 8" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_predictions_are_decoded_as_tk_instruct_decodes_them(ckpt_path):
+    """Tk-Instruct scores batch_decode(..., skip_special_tokens=True): no sentinels, pad or unk in the text."""
+    from prepare import load_tokenizer
+    tokenizer = load_tokenizer(torch.load(ckpt_path, weights_only=False)["meta"])
+    words = tokenizer.encode("red cat")
+    sentinel, unk, eos = tokenizer.first_sentinel_id, tokenizer.unk_id, tokenizer.eos_id
+
+    class Generator:
+        config = T5Config(eos_token_id=eos, pad_token_id=tokenizer.pad_id)
+
+        def generate(self, input_ids, attention_mask, max_new_tokens):
+            return torch.tensor([[sentinel, *words, unk, sentinel - 1, eos, *words]] * len(input_ids))
+
+    examples = [dict(input_ids=[5, 6, eos], labels=[eos]), dict(input_ids=[7, eos], labels=[eos])]
+    predictions = generate_predictions(Generator(), examples, tokenizer, 2, 8, "cpu", contextlib.nullcontext)
+    assert sorted(predictions) == [(0, "red cat"), (1, "red cat")]

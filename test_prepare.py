@@ -443,3 +443,96 @@ def test_stream_bad_input(data_dir, tmp_path):
     with pytest.raises(UserError, match="train_00[01].bin holds token id 600"):
         for step in range(20):
             batches(str(bad)).get(step)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# damaged folders, stale and bad tokenizers, full disks
+
+
+def copy_of(folder, to):
+    os.makedirs(to)
+    for name, content in folder_bytes(folder).items():
+        with open(os.path.join(to, name), "wb") as f:
+            f.write(content)
+    return str(to)
+
+
+def test_damaged_data_is_named_and_the_advised_command_rebuilds_it(data_dir, corpus, tmp_path):
+    import shlex
+    damaged = copy_of(data_dir, tmp_path / "c4")
+    os.remove(os.path.join(damaged, "train_001.bin"))
+    with open(os.path.join(damaged, "train_002.bin"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(UserError, match="train_001.bin is missing: rebuild it with `python prepare.py") as e:
+        batches(damaged)
+    command = shlex.split(str(e.value).split("`")[1])
+    assert command[:2] == ["python", "prepare.py"]
+    r = subprocess.run([sys.executable, *command[1:]], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "train_001.bin is missing: rebuilding it" in r.stdout
+    assert folder_bytes(damaged) == folder_bytes(data_dir)
+    # a short val.bin, and a lost tokenizer (then every file is rebuilt with the new one)
+    with open(os.path.join(damaged, "val.bin"), "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(UserError, match="val.bin holds .* tokens, not the"):
+        batches(damaged, "val")
+    P.prepare(corpus, **prepare_args(damaged))
+    assert folder_bytes(damaged) == folder_bytes(data_dir)
+    os.remove(os.path.join(damaged, "tokenizer.model"))
+    P.prepare(corpus, **prepare_args(damaged))
+    assert folder_bytes(damaged) == folder_bytes(data_dir)
+
+
+def test_a_stale_tokenizer_never_survives_into_a_new_run(data_dir, corpus, tmp_path):
+    out = tmp_path / "c4"
+    out.mkdir()
+    # another run's tokenizer, of another vocab size, left in out_dir (the run was killed before any progress)
+    P.prepare(corpus, **prepare_args(tmp_path / "small", vocab_size=PIECES // 2, max_train_tokens=1000))
+    (out / "tokenizer.model").write_bytes((tmp_path / "small" / "tokenizer.model").read_bytes())
+    assert P.prepare(corpus, **prepare_args(out))["vocab_size"] == PIECES + 100
+    assert folder_bytes(out) == folder_bytes(data_dir)
+
+
+def test_an_unreadable_tokenizer_is_refused_before_it_is_copied(corpus, tmp_path):
+    (tmp_path / "bad.model").write_bytes(b"this is not a sentencepiece model")
+    with pytest.raises(UserError, match="bad.model can't be read as a sentencepiece model"):
+        P.prepare(corpus, **prepare_args(tmp_path / "out", tokenizer=str(tmp_path / "bad.model")))
+    assert not (tmp_path / "out" / "tokenizer.model").exists()
+
+
+def test_a_full_disk_names_the_shard_and_the_rerun_continues(data_dir, corpus, tmp_path, monkeypatch):
+    fsync = os.fsync
+
+    def disk_full_at_the_second_shard(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("train_001.bin.tmp"):
+            raise OSError(28, "No space left on device")
+        fsync(fd)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", disk_full_at_the_second_shard)
+        with pytest.raises(UserError, match="could not write .*train_001.bin: No space left on device"):
+            P.prepare(corpus, **prepare_args(tmp_path))
+    assert not glob.glob(str(tmp_path / "*.tmp"))
+    P.prepare(corpus, **prepare_args(tmp_path))
+    assert folder_bytes(tmp_path) == folder_bytes(data_dir)
+
+
+@pytest.mark.parametrize("inputs_length, density, mean", [(512, 1.0, 3.0), (512, 0.0, 3.0), (512, 0.15, 0.5),
+                                                          (2, 0.15, 3.0)])
+def test_input_and_target_lengths_refuse_what_never_ends(inputs_length, density, mean):
+    with pytest.raises(UserError, match="span corruption needs input_length >= 3"):
+        P.compute_input_and_target_lengths(inputs_length, density, mean)
+
+
+def test_decode_skips_special_tokens_as_hugging_face_does(data_dir):
+    from transformers import T5Tokenizer
+    tok = P.load_tokenizer(data_dir)
+    # Hugging Face's T5 tokenizer over the same pieces (transformers 5 builds it from the (piece, score) list)
+    hf = T5Tokenizer(vocab=[(tok.sp.id_to_piece(i), tok.sp.get_score(i)) for i in range(PIECES)], extra_ids=100)
+    rng = np.random.default_rng(0)
+    special = [tok.pad_id, tok.eos_id, tok.unk_id, tok.first_sentinel_id, tok.first_sentinel_id - 7]
+    for _ in range(50):
+        ids = [int(i) if rng.random() < 0.7 else int(rng.choice(special)) for i in rng.integers(3, PIECES, 12)]
+        assert tok.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), ids
+    ids = tok.encode("the model") + [tok.first_sentinel_id, tok.eos_id]
+    assert tok.decode(ids) == "the model <extra_id_0>" and tok.decode(ids, skip_special_tokens=True) == "the model"

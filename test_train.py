@@ -360,3 +360,23 @@ def test_configurator_rejects_unknown_key_in_file(config_script, tmp_path):
     (tmp_path / "bad.py").write_text("batch_size = 4\nlearning_rate = 0.1\n")
     r = run([str(config_script), str(tmp_path / "bad.py")])
     assert r.returncode == 2 and "unknown config key 'learning_rate'" in r.stderr
+
+
+def test_resume_says_what_changed(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2", "--eval_interval=1000"]
+    assert run(["train.py", *args]).returncode == 0
+    r = run(["train.py", *args, "--init_from=resume", "--lr=0.02", "--log_interval=5"])
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from {tmp_path}/ckpt.pt at step 2; changed on resume: lr 0.01 -> 0.02, log_interval 1 -> 5" \
+        in r.stdout
+
+
+def test_every_rank_stops_when_another_run_holds_out_dir(data_dir, tmp_path):
+    from runtime import Runtime, claim_out_dir
+    lock = claim_out_dir(str(tmp_path), Runtime("cpu", "cpu", "float32", False, 0, 0, 1), fresh=True)
+    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
+             f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2"])
+    lock.close()
+    assert r.returncode != 0 and os.listdir(tmp_path) == ["lock"]  # no log, no checkpoint
+    for rank in (0, 1):
+        assert f"[rank{rank}]: error: another run (pid {os.getpid()}) is writing {tmp_path}" in r.stderr, r.stderr

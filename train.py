@@ -14,35 +14,43 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import T5, T5Config
-from optim import get_lr, make_optimizer, param_groups, train_step
-from prepare import (Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, load_tokenizer,
-                     prepare, show_fill)
-from runtime import (Checkpointer, Logger, checkpoint_state, load_checkpoint, memory_report, mfu, print0, raw_model,
-                     restore_rng, setup_runtime)
+from optim import LR_SCHEDULES, check_optimizer, get_lr, make_optimizer, param_groups, train_step
+from prepare import (MAX_VOCAB_SIZE, Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta,
+                     load_tokenizer, prepare, show_fill)
+from runtime import (DTYPES, Checkpointer, Logger, check_device, check_resume, checkpoint_state, claim_out_dir,
+                     load_checkpoint, memory_report, mfu, print0, raw_model, restore_rng, setup_runtime)
 
 # -----------------------------------------------------------------------------------------------------------------
-# default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override any of these
+# default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override any of these. Below each
+# group, `valid` says what values its keys may take; configurator.py checks them before anything runs
+valid = {}
 # paths and run
 out_dir = "out"
 data_dir = "data/c4"
 init_from = "scratch"  # 'scratch', 'resume' (from out_dir/ckpt.pt), or an HF name or folder to continue from
+valid.update(out_dir="non-empty", data_dir="non-empty", init_from="non-empty")
 # how data_dir was made; an offline dataset (pydoc) is prepared automatically on first use
 dataset = "c4"
 tokenizer = "t5"
 vocab_size = 32000  # only for tokenizer='train'
+valid.update(dataset="non-empty", tokenizer="non-empty", vocab_size=f"in [1, {MAX_VOCAB_SIZE}]")
 # model
 model = "t5-v1_1-base"
 dropout = 0.0  # nanoT5 pre-trains without dropout
+valid.update(model=T5Config.from_preset, dropout="in [0, 1)")
 # data and objective
 input_length = 512
 noise_density = 0.15
 mean_noise_span_length = 3.0
+valid.update(input_length=">= 3", noise_density="in (0, 1)", mean_noise_span_length=">= 1")
 # batch
 batch_size = 128  # global examples per optimizer step, over all micro-steps and ranks
 grad_accum_steps = 1
+valid.update(batch_size="> 0", grad_accum_steps="> 0")
 # steps
 max_steps = 65536
 time_budget_hours = 0.0  # > 0: schedule and stop follow wall-clock time instead of max_steps (Cramming)
+valid.update(max_steps="> 0", time_budget_hours=">= 0")
 # optimizer and schedule
 optimizer = "adamwscale"
 lr = 2e-2
@@ -53,11 +61,14 @@ min_lr = 1e-5
 weight_decay = 0.0
 grad_clip = 1.0
 z_loss = 0.0
+valid.update(optimizer=check_optimizer, lr="> 0", lr_schedule=LR_SCHEDULES, warmup_steps=">= 0",
+             warmup_start_factor="in [0, 1]", min_lr=">= 0", weight_decay=">= 0", grad_clip=">= 0", z_loss=">= 0")
 # intervals
 eval_interval = 1000
 eval_steps = 20
 log_interval = 10
 checkpoint_interval = 1000
+valid.update(eval_interval="> 0", eval_steps="> 0", log_interval="> 0", checkpoint_interval="> 0")
 # system
 device = "auto"  # cuda > mps > cpu
 dtype = "bfloat16"
@@ -67,6 +78,8 @@ peak_flops = 0.0  # dense peak FLOP/s of one GPU, for MFU; 0 -> runtime.PEAK_FLO
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "t5"
+valid.update(device=check_device, dtype=DTYPES, compile="any", seed=">= 0", peak_flops=">= 0", wandb_log="any",
+             wandb_project="non-empty", wandb_run_name="any")
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # -----------------------------------------------------------------------------------------------------------------
 
@@ -85,13 +98,15 @@ if not os.path.exists(os.path.join(data_dir, "meta.json")) and dataset == "pydoc
     if rt.ddp:
         torch.distributed.barrier()
 meta = load_meta(data_dir)
+# before the model is built: a run from scratch never replaces a checkpoint, and two runs never write one out_dir
+out_dir_lock = claim_out_dir(out_dir, rt, fresh=init_from != "resume")  # held while the process lives
 
 # the model: from scratch, from our own checkpoint, or from released Hugging Face weights
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 ckpt = load_checkpoint(ckpt_path) if init_from == "resume" else None
 if ckpt is not None:
+    check_resume(ckpt, ckpt_path, config, meta, fixed=("model", "dropout", "optimizer"))
     t5 = T5.from_checkpoint(ckpt)
-    print0(f"resuming from {ckpt_path} at step {ckpt['step']}")
 elif init_from == "scratch":
     t5 = T5(T5Config.from_preset(model, vocab_size=meta["model_vocab_size"], dropout=dropout))
 else:
