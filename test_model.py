@@ -177,6 +177,7 @@ def test_cached_generate_equals_recompute():
     prompts, attention_mask, _ = padded_batch(seed=6, B=3, S=25)
     got = ours.generate(prompts, attention_mask, max_new_tokens=20)
     assert not got.is_inference()  # autograd accepts the ids, e.g. as labels to train on
+    assert all(block.self_attn.kv_cache is None for block in ours.decoder.blocks)  # the caches are freed
     decoder_input_ids = torch.zeros(3, 1, dtype=torch.long)
     with torch.no_grad():
         for _ in range(20):
