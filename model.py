@@ -305,6 +305,8 @@ class T5(nn.Module):
         x = self.decoder(self.shared(token), encoder_kv, cross_mask, None, self.compute_dtype(token.device), pos)
         return self.lm_head(x[:, -1] * self.config.output_scaling).float()
 
+    # no_grad, not inference_mode: autocast then casts each weight once per call rather than once per step (it caches
+    # casts only outside inference_mode), and the ids returned work with autograd, e.g. as labels
     @torch.no_grad()
     def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0, top_k=None, compile=False):
         """Up to max_new_tokens ids per row (B, <= max_new_tokens), no start token, pad after EOS: greedy at temperature
@@ -313,31 +315,29 @@ class T5(nn.Module):
         check_ids('input_ids', input_ids)
         check_ids('attention_mask', attention_mask, like=input_ids)
         c, B, device, dtype = self.config, input_ids.size(0), input_ids.device, self.compute_dtype(input_ids.device)
-        # made outside inference_mode, so that autograd accepts the ids afterwards (as labels to train on, say)
         out = torch.full((B, max_new_tokens), c.pad_token_id, dtype=torch.long, device=device)
         step = torch.compile(self.decode_step, fullgraph=True) if compile else self.decode_step
-        with torch.inference_mode():  # no_grad without version counters and view tracking: less work per step
-            encoder_kv = self.decoder.encoder_kv(self.encoder(self.shared(input_ids), attention_mask, dtype))
-            cross_mask = padding_mask(attention_mask, dtype)
-            for block in self.decoder.blocks:
-                block.self_attn.kv_cache = KVCache((B, c.num_heads, max_new_tokens, c.d_kv), dtype, device)
-            token = torch.full((B, 1), c.decoder_start_token_id, dtype=torch.long, device=device)
-            finished = torch.zeros(B, dtype=torch.bool, device=device)
-            pos = torch.zeros(1, dtype=torch.long, device=device)  # a tensor, not an int: one compiled graph for all
-            for i in range(max_new_tokens):
-                logits = step(token, pos, encoder_kv, cross_mask)
-                if temperature == 0.0:
-                    token = logits.argmax(-1, keepdim=True)
-                else:
-                    if top_k is not None:
-                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, -float('inf'))
-                    token = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
-                out[:, i] = token.masked_fill_(finished[:, None], c.pad_token_id)[:, 0]
-                finished |= token[:, 0] == c.eos_token_id
-                if finished.all():
-                    break
-                pos += 1
+        encoder_kv = self.decoder.encoder_kv(self.encoder(self.shared(input_ids), attention_mask, dtype))
+        cross_mask = padding_mask(attention_mask, dtype)
+        for block in self.decoder.blocks:
+            block.self_attn.kv_cache = KVCache((B, c.num_heads, max_new_tokens, c.d_kv), dtype, device)
+        token = torch.full((B, 1), c.decoder_start_token_id, dtype=torch.long, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        pos = torch.zeros(1, dtype=torch.long, device=device)  # a tensor, not an int: one compiled graph for all
+        for i in range(max_new_tokens):
+            logits = step(token, pos, encoder_kv, cross_mask)
+            if temperature == 0.0:
+                token = logits.argmax(-1, keepdim=True)
+            else:
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, -float('inf'))
+                token = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
+            out[:, i] = token.masked_fill_(finished[:, None], c.pad_token_id)[:, 0]
+            finished |= token[:, 0] == c.eos_token_id
+            if finished.all():
+                break
+            pos += 1
         for block in self.decoder.blocks:  # the caches only hold this call's tokens: free them
             block.self_attn.kv_cache = None
         return out[:, :pos.item() + 1]  # all steps, or up to the one where every row was finished
