@@ -402,7 +402,7 @@ def bench_generate(rt, model_name, vocab_size, compare, timing, batch_size=8, in
     def ours(net):
         def run():
             with rt.autocast():
-                return net.generate(input_ids, max_new_tokens=max_new_tokens)
+                return net.generate(input_ids, max_new_tokens=max_new_tokens, compile=compile)  # compiles the decode step
         return run
 
     def theirs():

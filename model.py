@@ -1,14 +1,9 @@
-"""
-A T5 v1.1 encoder-decoder in one file, numerically the same model as Hugging Face's T5ForConditionalGeneration.
-References:
-1) the T5 paper: https://arxiv.org/abs/1910.10683
-2) t5x / mesh-tensorflow, which define the v1.1 shapes, the relative position buckets and the initialisation
-3) huggingface/transformers modeling_t5.py, whose checkpoints this file loads and writes
-"""
+"""A T5 v1.1 encoder-decoder in one file, numerically the same model as Hugging Face's T5ForConditionalGeneration.
+References: the T5 paper (https://arxiv.org/abs/1910.10683); t5x / mesh-tensorflow for the v1.1 shapes, position
+buckets and init; transformers' modeling_t5.py, whose checkpoints this file reads and writes; gpt-fast, whose
+static KV cache and compiled one-token decoding step generate() follows."""
 
 import dataclasses
-import contextlib
-import difflib
 import glob
 import json
 import math
@@ -18,10 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 class UserError(Exception):
     """Bad input from the user: the message is one line saying what is wrong and how to fix it."""
-
 
 @dataclasses.dataclass
 class T5Config:
@@ -50,11 +43,8 @@ class T5Config:
     @classmethod
     def from_preset(cls, name, **overrides):
         if name not in PRESETS:
-            close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.0)
-            raise UserError(f"unknown model preset {name!r}; did you mean {close[0]!r}? "
-                            f"(choices: {', '.join(PRESETS)})")
+            raise UserError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
-
 
 # shapes from the t5x gin files; 't5-tiny' is small enough to train on a laptop CPU
 PRESETS = {
@@ -66,11 +56,9 @@ PRESETS = {
     't5-v1_1-xxl': dict(d_model=4096, d_ff=10240, num_heads=64, d_kv=64, num_layers=24, num_decoder_layers=24),
 }
 
-
 def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
-    """Map key_position - query_position to a bucket id: half the buckets are exact offsets, the other half are
-    logarithmically wider up to max_distance, beyond which everything shares the last bucket. Bidirectional
-    (encoder) attention spends half the buckets on keys to the right; causal (decoder) attention only looks left."""
+    """key_position - query_position -> bucket id: half the buckets are exact offsets, half logarithmically wider up
+    to max_distance (farther keys share the last). The encoder spends half on keys to the right; the decoder's don't."""
     bucket = 0
     if bidirectional:
         num_buckets //= 2
@@ -84,189 +72,82 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
     large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
     return bucket + torch.where(distance < max_exact, distance, large)
 
-
-def onednn_applies(t):
-    """Whether linear() runs t through oneDNN: on CPU in fp32. On GPUs, under autocast and inside torch.compile,
-    F.linear already gets the fast kernel."""
-    return (t.device.type == 'cpu' and t.dtype == torch.float32 and not torch.is_autocast_enabled('cpu')
-            and not torch.compiler.is_compiling() and torch.backends.mkldnn.is_available())
-
-
-def linear(x, weight):
-    """x @ weight.T. On CPU in fp32 this runs through oneDNN (the kernel torch.compile's CPU backend calls) rather
-    than F.linear's MKL sgemm: on the AMD EPYC cores we measured, oneDNN is 2-2.4x faster for every T5 shape, forward
-    and backward, and equal to within fp32 rounding. weight may also be one that pack_weight() prepared."""
-    if weight.is_mkldnn:
-        return _onednn_linear(x, weight)
-    if not onednn_applies(x):
-        return F.linear(x, weight)
-    if not torch.is_grad_enabled():  # inference: skipping the autograd.Function saves its per-call overhead
-        return _onednn_linear(x, weight)
-    return _OneDNNLinear.apply(x, weight)
-
-
-def pack_weight(weight, rows):
-    """The weight reordered once into oneDNN's own blocked layout for products of `rows` rows; linear() takes it in
-    place of the weight. From the plain (out, in) layout, the 8-row products of a decode step run 1.3-1.7x slower:
-    the lm_head takes 4.0 ms instead of 2.3 ms, close to the 2.1 ms it takes to read it from memory."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows) if onednn_applies(weight) else weight
-
-
-@contextlib.contextmanager
-def packed(linears, rows):
-    """Inside the block each Linear computes with pack_weight(its weight, rows). The packed copies are dropped on
-    exit: the weights may change afterwards, and the copies would not follow."""
-    for m in linears:
-        m.packed = pack_weight(m.weight, rows)
-    try:
-        yield
-    finally:
-        for m in linears:
-            m.packed = None
-
-
-def _onednn_linear(x, weight, post_op='none', algorithm=''):  # any strides: the backward passes transposed views
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, post_op, [], algorithm)
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return _onednn_linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = _onednn_linear(grad, weight.t())  # grad @ weight
-        grad_weight = _onednn_linear(grad.flatten(0, -2).t(), x.flatten(0, -2).t())  # grad.T @ x, (out, in)
-        return grad_x, grad_weight
-
-
-class Linear(nn.Linear):
-    """nn.Linear without bias, running through linear() above; a module so that checkpoints keep their names.
-    w is the weight, or its packed copy inside a packed() block."""
-
-    def __init__(self, in_features, out_features):
-        super().__init__(in_features, out_features, bias=False)
-        self.packed = None
-
-    @property
-    def w(self):
-        return self.weight if self.packed is None else self.packed
-
-    def forward(self, x):
-        return linear(x, self.w)
-
-
 class RMSNorm(nn.Module):
     """T5's layer norm: scale only, no mean subtraction, no bias, variance in fp32 even under autocast."""
-
     def __init__(self, dim, eps):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         x = x.float()
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
+class KVCache(nn.Module):
+    """Self-attention k, v of the tokens decoded so far, in buffers sized up front: every step has the same shapes."""
+    def __init__(self, shape, dtype, device):  # shape: (B, nh, max_len, hs)
+        super().__init__()
+        self.register_buffer('k_cache', torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer('v_cache', torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, pos, k, v):  # k, v (B, nh, T, hs) go to positions pos (T,); returns (B, nh, max_len, hs) each
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        return self.k_cache, self.v_cache
 
 class Attention(nn.Module):
-    """Multi-head attention without the 1/sqrt(d_kv) scaling: T5 folds it into the init of q instead.
-    q, k, v stay separate parameters, as in T5 and Hugging Face's checkpoints, because AdamWScale and Adafactor
-    scale each update by the RMS of its own tensor (and Adafactor factors and clips per tensor): q starts 8x smaller
-    than k and v, and inside one fused tensor its updates would be scaled by theirs. The projections still run as
-    one matmul over the concatenated weights, since one larger GEMM is faster than three small ones."""
-
+    """Multi-head attention without the 1/sqrt(d_kv) scaling, which T5 folds into the init of q. q, k, v stay separate
+    parameters: AdamWScale and Adafactor scale updates by each tensor's RMS, and q starts 8x smaller than k and v."""
     def __init__(self, config, has_relative_attention_bias=False, bidirectional=True):
         super().__init__()
         self.d_kv, self.bidirectional, self.dropout = config.d_kv, bidirectional, config.dropout
-        inner = config.num_heads * config.d_kv
-        self.q = Linear(config.d_model, inner)
-        self.k = Linear(config.d_model, inner)
-        self.v = Linear(config.d_model, inner)
-        self.o = Linear(inner, config.d_model)
+        d, inner = config.d_model, config.num_heads * config.d_kv
+        self.q, self.k, self.v = [nn.Linear(d, inner, bias=False) for _ in range(3)]
+        self.o = nn.Linear(inner, d, bias=False)
+        self.kv_cache = None  # a KVCache while generate() decodes
         if has_relative_attention_bias:
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
-            self.num_buckets = config.relative_attention_num_buckets
-            self.max_distance = config.relative_attention_max_distance
+            self.buckets = (config.relative_attention_num_buckets, config.relative_attention_max_distance)
 
     def position_bias(self, query_positions, key_positions):
-        """The learned bias for every (query, key) pair, (1, nh, Tq, Tk), in fp32. Only the first layer of a
-        stack owns the table; the stack computes this once per forward and every layer adds the same bias.
-        Contiguous, because the attention kernel would otherwise copy the strided mask at every layer."""
+        """The learned bias (1, nh, Tq, Tk), fp32; contiguous, or the attention kernel copies it in every layer."""
         buckets = relative_position_bucket(key_positions[None, :] - query_positions[:, None], self.bidirectional,
-                                           self.num_buckets, self.max_distance)
+                                           *self.buckets)
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0).contiguous()
 
-    def qkv_weight(self):
-        return torch.cat([self.q.weight, self.k.weight, self.v.weight])  # (3*nh*hs, d_model)
-
-    def split_heads(self, x):
-        B, T, _ = x.shape
-        return x.view(B, T, -1, self.d_kv).transpose(1, 2)  # (B, nh, T, hs)
-
-    def encoder_kv(self, encoder_out):
-        """Cross-attention keys and values; generate() computes them once per layer and reuses them every step.
-        Stored contiguous: the CPU attention kernel reads strided ones 1.3x (fp32) to 2.3x (bf16) slower."""
-        kv = linear(encoder_out, torch.cat([self.k.weight, self.v.weight]))  # (B, S, 2*nh*hs)
-        return [self.split_heads(t).contiguous() for t in kv.chunk(2, dim=-1)]
-
-    def forward(self, x, mask, kv=None, cache=None, pos=0):
-        """mask: float, position bias plus -large where attention is not allowed, broadcastable to (B, nh, T, Tk).
-        kv: the encoder's (k, v), for cross-attention. cache: (qkv_weight(), k buffer, v buffer), the buffers
-        (B, nh, max_len, hs); this call writes self-attention k, v at positions pos...pos+T-1 and then attends over
-        the whole buffers (masked beyond pos+T-1). generate() concatenates and packs the weight once, not at every
-        step."""
+    def forward(self, x, mask, kv=None, pos=None):
+        """mask: position bias plus -large where not allowed, (B, nh, T, Tk) or broadcastable. kv: the encoder's (k, v),
+        for cross-attention. pos: decoding, x's positions (T,) in kv_cache; x attends to the whole cache."""
         B, T, _ = x.shape
         if kv is not None:
-            q, (k, v) = self.split_heads(self.q(x)), kv
+            q, (k, v) = self.q(x).view(B, T, -1, self.d_kv).transpose(1, 2), kv  # (B, nh, T, hs)
         else:
-            qkv = linear(x, self.qkv_weight() if cache is None else cache[0])  # (B, T, 3*nh*hs)
-            q, k, v = [self.split_heads(t) for t in qkv.chunk(3, dim=-1)]
-            if cache is not None:
-                cache[1][:, :, pos:pos + T] = k
-                cache[2][:, :, pos:pos + T] = v
-                k, v = cache[1:]
-        if T == 1 and not self.training:
-            # a decode step: for a single query these three ops are ~1 ms a step faster than the fused kernel,
-            # whose tiling and buffers are made for many queries
-            scores = q @ k.transpose(-1, -2)  # (B, nh, 1, Tk)
-            y = (scores if mask is None else scores + mask).softmax(dim=-1) @ v  # (B, nh, 1, hs)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
-                                               dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
-        return self.o(y)
-
+            if pos is None:  # one GEMM over the concatenated weights runs faster than three
+                q, k, v = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight])).chunk(3, dim=-1)
+            else:  # a decoding step's few rows only stream the weights: copying them into one would cost more
+                q, k, v = self.q(x), self.k(x), self.v(x)
+            q, k, v = [t.view(B, T, -1, self.d_kv).transpose(1, 2) for t in (q, k, v)]  # (B, nh, T, hs)
+            if pos is not None:
+                k, v = self.kv_cache.update(pos, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, nh*hs) -> (B, T, d_model)
 
 class GatedGELU(nn.Module):
     """v1.1's feed-forward: gelu(x @ wi_0) * (x @ wi_1) @ wo, with the tanh approximation of GELU."""
-
     def __init__(self, config):
         super().__init__()
-        self.wi_0 = Linear(config.d_model, config.d_ff)
-        self.wi_1 = Linear(config.d_model, config.d_ff)
-        self.wo = Linear(config.d_ff, config.d_model)
+        self.wi_0, self.wi_1 = [nn.Linear(config.d_model, config.d_ff, bias=False) for _ in range(2)]
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        if torch.is_grad_enabled() or not onednn_applies(x):
-            h = F.gelu(self.wi_0(x), approximate='tanh') * self.wi_1(x)
-        else:
-            # inference on CPU: oneDNN applies the GELU and the product as it writes each matmul's output, saving
-            # three passes over (B, T, d_ff): the encoder's feed-forward runs 1.3x faster (41 -> 32 ms a layer)
-            gelu = _onednn_linear(x, self.wi_0.w, 'gelu', 'tanh')
-            h = torch.ops.mkldnn._linear_pointwise.binary(x, gelu, self.wi_1.w, None, 'mul')
-        return self.wo(self.dropout(h))
-
+        return self.wo(self.dropout(F.gelu(self.wi_0(x), approximate='tanh') * self.wi_1(x)))
 
 class EncoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
         super().__init__()
         self.ln_1 = RMSNorm(config.d_model, config.layer_norm_eps)
-        self.attn = Attention(config, has_relative_attention_bias=has_relative_attention_bias)
+        self.attn = Attention(config, has_relative_attention_bias)
         self.ln_2 = RMSNorm(config.d_model, config.layer_norm_eps)
         self.ff = GatedGELU(config)
         self.dropout = nn.Dropout(config.dropout)
@@ -275,43 +156,39 @@ class EncoderBlock(nn.Module):
         x = x + self.dropout(self.attn(self.ln_1(x), mask))
         return x + self.dropout(self.ff(self.ln_2(x)))
 
-
 class DecoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
         super().__init__()
         self.ln_1 = RMSNorm(config.d_model, config.layer_norm_eps)
-        self.self_attn = Attention(config, has_relative_attention_bias=has_relative_attention_bias,
-                                   bidirectional=False)
+        self.self_attn = Attention(config, has_relative_attention_bias, bidirectional=False)
         self.ln_2 = RMSNorm(config.d_model, config.layer_norm_eps)
         self.cross_attn = Attention(config)
         self.ln_3 = RMSNorm(config.d_model, config.layer_norm_eps)
         self.ff = GatedGELU(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, self_mask, cross_mask, encoder_kv, cache=None, pos=0):
-        x = x + self.dropout(self.self_attn(self.ln_1(x), self_mask, cache=cache, pos=pos))
+    def forward(self, x, self_mask, cross_mask, encoder_kv, pos=None):
+        x = x + self.dropout(self.self_attn(self.ln_1(x), self_mask, pos=pos))
         x = x + self.dropout(self.cross_attn(self.ln_2(x), cross_mask, kv=encoder_kv))
         return x + self.dropout(self.ff(self.ln_3(x)))
 
-
 def padding_mask(attention_mask, dtype):
-    """(B, S) with 1 for real tokens -> additive (B, 1, 1, S): 0 where allowed, the dtype's minimum where padded.
-    The minimum rather than -inf keeps a row with nothing to attend to finite, as in Hugging Face's T5."""
-    if attention_mask is None:
-        return None
-    padded = attention_mask[:, None, None, :] == 0
-    return torch.zeros(padded.shape, dtype=dtype, device=padded.device).masked_fill(padded, torch.finfo(dtype).min)
+    """(B, S), 0 at padding -> additive (B, 1, 1, S): the dtype's minimum there (not -inf: no NaN rows), else 0."""
+    if attention_mask is not None:
+        padded = attention_mask[:, None, None, :] == 0
+        return torch.zeros(padded.shape, dtype=dtype, device=padded.device).masked_fill(padded, torch.finfo(dtype).min)
 
-
-class Encoder(nn.Module):
-    def __init__(self, config):
+class Stack(nn.Module):
+    """The encoder or the decoder; only the first block owns a position bias table, which every block then uses."""
+    def __init__(self, config, block, num_layers):
         super().__init__()
-        self.blocks = nn.ModuleList([EncoderBlock(config, i == 0) for i in range(config.num_layers)])
+        self.blocks = nn.ModuleList([block(config, i == 0) for i in range(num_layers)])
         self.ln_f = RMSNorm(config.d_model, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, attention_mask, dtype):
-        """x: the token embeddings (B, S, d_model); attention_mask: (B, S) with 0 at padding, or None."""
+class Encoder(Stack):
+
+    def forward(self, x, attention_mask, dtype):  # x: the token embeddings (B, S, d_model)
         positions = torch.arange(x.size(1), device=x.device)
         mask = self.blocks[0].attn.position_bias(positions, positions).to(dtype)  # (1, nh, S, S)
         if attention_mask is not None:
@@ -321,207 +198,168 @@ class Encoder(nn.Module):
             x = block(x, mask)
         return self.dropout(self.ln_f(x))
 
+class Decoder(Stack):
 
-class Decoder(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.blocks = nn.ModuleList([DecoderBlock(config, i == 0) for i in range(config.num_decoder_layers)])
-        self.ln_f = RMSNorm(config.d_model, config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+    def encoder_kv(self, encoder_out):
+        """Every layer's cross-attention (k, v), (B, nh, S, hs) each, in one matmul over all layers' weights.
+        Contiguous: the attention kernel reads strided k, v 1.3x (fp32) to 2.3x (bf16) slower."""
+        B, S, _ = encoder_out.shape
+        weight = torch.cat([w for b in self.blocks for w in (b.cross_attn.k.weight, b.cross_attn.v.weight)])
+        kv = F.linear(encoder_out, weight).view(B, S, 2 * len(self.blocks), -1, self.blocks[0].cross_attn.d_kv)
+        kv = kv.permute(2, 0, 3, 1, 4).contiguous()  # (B, S, 2L, nh, hs) -> (2L, B, nh, S, hs)
+        return list(zip(kv[0::2], kv[1::2]))
 
-    def forward(self, x, encoder_kv, cross_mask, decoder_attention_mask, dtype, cache=None, pos=0):
-        """x: the token embeddings (B, T, d_model). encoder_kv: one (k, v) per layer, or the encoder output to
-        project them from. cache: one Attention cache per layer, for decoding tokens pos...pos+T-1."""
-        T = x.size(1)
-        query_positions = torch.arange(pos, pos + T, device=x.device)
-        key_positions = torch.arange(cache[0][1].size(2) if cache else T, device=x.device)
+    def forward(self, x, encoder_kv, cross_mask, decoder_attention_mask, dtype, pos=None):
+        """x: token embeddings (B, T, d_model). pos: decoding, x's positions (T,), the keys all of kv_cache."""
+        key_positions = torch.arange(x.size(1) if pos is None else self.blocks[0].self_attn.kv_cache.k_cache.size(2),
+                                     device=x.device)
+        query_positions = key_positions if pos is None else pos
         bias = self.blocks[0].self_attn.position_bias(query_positions, key_positions).to(dtype)  # (1, nh, T, Tk)
-        future = key_positions[None, :] > query_positions[:, None]
-        mask = bias.masked_fill(future, torch.finfo(dtype).min)
+        mask = bias.masked_fill(key_positions[None, :] > query_positions[:, None], torch.finfo(dtype).min)  # future
         if decoder_attention_mask is not None:
             mask = mask.masked_fill(decoder_attention_mask[:, None, None, :] == 0, torch.finfo(dtype).min)
-        if torch.is_tensor(encoder_kv):
-            encoder_kv = [block.cross_attn.encoder_kv(encoder_kv) for block in self.blocks]
         x = self.dropout(x)
-        for i, block in enumerate(self.blocks):
-            x = block(x, mask, cross_mask, encoder_kv[i], cache[i] if cache else None, pos)
+        for block, kv in zip(self.blocks, encoder_kv):
+            x = block(x, mask, cross_mask, kv, pos)
         return self.dropout(self.ln_f(x))
 
+def check_ids(name, ids, like=None):
+    """Shape and dtype only, no values: checking id < vocab would cost a GPU sync every step."""
+    if ids is not None and (not torch.is_tensor(ids) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2):
+        what = f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if torch.is_tensor(ids) else type(ids).__name__
+        raise UserError(f"{name} must be a 2-D int64 tensor (batch, length), got a {what}")
+    if ids is not None and like is not None and ids.shape != like.shape:
+        raise UserError(f"{name} has shape {tuple(ids.shape)} but its ids have shape {tuple(like.shape)}")
 
 class T5(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.config = config
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoder = Encoder(config)
-        self.decoder = Decoder(config)
-        self.lm_head = Linear(config.d_model, config.vocab_size)
+        self.encoder = Encoder(config, EncoderBlock, config.num_layers)
+        self.decoder = Decoder(config, DecoderBlock, config.num_decoder_layers)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.shared.weight
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self):
-        """Mesh-TensorFlow's initialisation, which the v1.1 checkpoints were trained from: every matrix is normal
-        with std 1/sqrt(fan_in), except embeddings (std 1) and q, whose std also absorbs the 1/sqrt(d_kv) that the
-        attention leaves out. The untied lm_head gets d_model**-0.5 as in t5x, not Hugging Face's 1.0: with 1.0 the
-        first loss is above 100 instead of about ln(vocab) (nanoT5 issue #25), and the huge logits underflow into
-        denormal floats in the backward pass, which makes CPU training 3-6x slower."""
+        """Mesh-TensorFlow's init: matrices normal with std 1/sqrt(fan_in) (q's also absorbs the 1/sqrt(d_kv) attention
+        leaves out), embeddings 1. An untied lm_head gets fan_in's d_model**-0.5 as in t5x, not Hugging Face's 1.0: with
+        1.0 the first loss is above 100 (nanoT5 issue #25) and its logits underflow to denormals, 3-6x slower on CPU."""
         c = self.config
-        d, inner = c.d_model, c.num_heads * c.d_kv
-        nn.init.normal_(self.shared.weight, std=1.0)
-        if not c.tie_word_embeddings:
-            nn.init.normal_(self.lm_head.weight, std=d ** -0.5)
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, Attention):
-                nn.init.normal_(module.q.weight, std=(d * c.d_kv) ** -0.5)
-                nn.init.normal_(module.k.weight, std=d ** -0.5)
-                nn.init.normal_(module.v.weight, std=d ** -0.5)
-                nn.init.normal_(module.o.weight, std=inner ** -0.5)
-                if hasattr(module, 'relative_attention_bias'):
-                    nn.init.normal_(module.relative_attention_bias.weight, std=d ** -0.5)
-            elif isinstance(module, GatedGELU):
-                nn.init.normal_(module.wi_0.weight, std=d ** -0.5)
-                nn.init.normal_(module.wi_1.weight, std=d ** -0.5)
-                nn.init.normal_(module.wo.weight, std=c.d_ff ** -0.5)
+        for name, p in self.named_parameters():  # a tied lm_head is shared.weight, initialised once as that
+            if p.dim() == 1:  # RMSNorm
+                nn.init.ones_(p)
+            elif name == 'shared.weight' or name.endswith('relative_attention_bias.weight'):  # embeddings
+                nn.init.normal_(p, std=1.0 if name == 'shared.weight' else c.d_model ** -0.5)
+            else:  # a matrix (out, in), lm_head included
+                nn.init.normal_(p, std=(p.size(1) * (c.d_kv if name.endswith('.q.weight') else 1)) ** -0.5)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied lm_head only once
 
     def flops_per_step(self, batch_size, input_length, target_length):
-        """Training FLOPs (forward + backward) of one step over batch_size examples, for MFU.
-        Matmuls cost 6 FLOPs per weight per token (2 forward, 4 backward), each over the tokens it sees:
-          6 * N_encoder * S                   encoder weights (without the embedding, a lookup) over S input tokens
-        + 6 * (N_decoder - N_cross_kv) * T    decoder weights over T target tokens ...
-        + 6 * N_cross_kv * S                  ... except cross-attention k/v, which project the S encoder outputs
-        + 6 * d_model * vocab * T             lm_head (counted even when tied: it is a matmul, not a lookup)
-        + 12 * nh * d_kv * (L_enc * S*S + L_dec * (T*T + T*S))   attention scores and weighted sums: 2 matmuls of
-                                              2*Tq*Tk*nh*d_kv FLOPs, times 3 for the backward (causal masking is
-                                              not discounted)."""
-        c = self.config
-        S, T, inner = input_length, target_length, c.num_heads * c.d_kv
+        """Training FLOPs of a step, for MFU: 6 per weight per token it sees (S inputs: encoder, cross-attention k/v;
+        T targets: the rest of the decoder, lm_head; the embedding is a lookup), + 12 * nh * d_kv * Tq * Tk a layer."""
+        c, S, T = self.config, input_length, target_length
         n_enc = sum(p.numel() for p in self.encoder.parameters())
         n_cross_kv = sum(2 * b.cross_attn.k.weight.numel() for b in self.decoder.blocks)
         n_dec = sum(p.numel() for p in self.decoder.parameters()) - n_cross_kv
         flops = 6 * (n_enc * S + n_dec * T + n_cross_kv * S + c.d_model * c.vocab_size * T)
-        flops += 12 * inner * (c.num_layers * S * S + c.num_decoder_layers * (T * T + T * S))
+        flops += 12 * c.num_heads * c.d_kv * (c.num_layers * S * S + c.num_decoder_layers * (T * T + T * S))
         return batch_size * flops
 
     def compute_dtype(self, device):
-        """The dtype activations will have: the autocast dtype inside autocast, else the weights' dtype."""
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
-        return self.shared.weight.dtype
+        """The activations' dtype: the autocast dtype inside autocast, else the weights'."""
+        autocast = torch.is_autocast_enabled(device.type)
+        return torch.get_autocast_dtype(device.type) if autocast else self.shared.weight.dtype
 
-    def check_ids(self, name, ids, like=None):
-        # only shape and dtype checks here: checking id < vocab would cost a GPU sync every step
-        if ids is None:
-            return
-        if not torch.is_tensor(ids) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2:
-            what = f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if torch.is_tensor(ids) else type(ids).__name__
-            raise UserError(f"{name} must be a 2-D int64 tensor (batch, length), got a {what}")
-        if like is not None and ids.shape != like.shape:
-            raise UserError(f"{name} has shape {tuple(ids.shape)} but its ids have shape {tuple(like.shape)}")
-
-    def shift_right(self, labels):
-        """Decoder input for teacher forcing: the start token, then the labels without their last token."""
-        start = labels.new_full((labels.size(0), 1), self.config.decoder_start_token_id)
-        shifted = torch.cat([start, labels[:, :-1]], dim=1)
-        return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
-
-    def forward(self, input_ids, decoder_input_ids=None, labels=None, attention_mask=None,
-                decoder_attention_mask=None):
-        self.check_ids('input_ids', input_ids)
-        self.check_ids('attention_mask', attention_mask, like=input_ids)
-        self.check_ids('labels', labels)
-        self.check_ids('decoder_input_ids', decoder_input_ids)
-        if decoder_input_ids is None:
+    def forward(self, input_ids, decoder_input_ids=None, labels=None, attention_mask=None, decoder_attention_mask=None):
+        for name, ids, like in (('input_ids', input_ids, None), ('attention_mask', attention_mask, input_ids),
+                                ('labels', labels, None), ('decoder_input_ids', decoder_input_ids, None)):
+            check_ids(name, ids, like)
+        c = self.config
+        if decoder_input_ids is None:  # teacher forcing: the start token, then the labels without their last one
             if labels is None:
                 raise UserError("T5.forward needs decoder_input_ids or labels (to shift right into decoder inputs)")
-            decoder_input_ids = self.shift_right(labels)
-        self.check_ids('decoder_attention_mask', decoder_attention_mask, like=decoder_input_ids)
+            shifted = torch.cat([labels.new_full((labels.size(0), 1), c.decoder_start_token_id), labels[:, :-1]], 1)
+            decoder_input_ids = shifted.masked_fill(shifted == -100, c.pad_token_id)
+        check_ids('decoder_attention_mask', decoder_attention_mask, like=decoder_input_ids)
         if decoder_input_ids.size(0) != input_ids.size(0):
             raise UserError(f"input_ids hold {input_ids.size(0)} rows, the decoder's ids {decoder_input_ids.size(0)}")
         dtype = self.compute_dtype(input_ids.device)
         # one lookup for both stacks: the backward then builds one dense (vocab, d_model) gradient, not two to add
         S, T = input_ids.size(1), decoder_input_ids.size(1)
         encoder_in, decoder_in = self.shared(torch.cat([input_ids, decoder_input_ids], dim=1)).split([S, T], dim=1)
-        encoder_out = self.encoder(encoder_in, attention_mask, dtype)
-        x = self.decoder(decoder_in, encoder_out, padding_mask(attention_mask, dtype), decoder_attention_mask, dtype)
-        logits = self.lm_head(x * self.config.output_scaling)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-        return logits, loss
+        encoder_kv = self.decoder.encoder_kv(self.encoder(encoder_in, attention_mask, dtype))
+        x = self.decoder(decoder_in, encoder_kv, padding_mask(attention_mask, dtype), decoder_attention_mask, dtype)
+        logits = self.lm_head(x * c.output_scaling)
+        if labels is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
+    def decode_step(self, token, pos, encoder_kv, cross_mask):
+        """The logits (B, vocab) after token (B, 1) at position pos (1,), the kv_caches holding the ones before."""
+        x = self.decoder(self.shared(token), encoder_kv, cross_mask, None, self.compute_dtype(token.device), pos)
+        return self.lm_head(x[:, -1] * self.config.output_scaling).float()
+
+    # no_grad, not inference_mode: autocast then casts each weight once per call rather than once per step (it caches
+    # casts only outside inference_mode), and the ids returned work with autograd, e.g. as labels
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0, top_k=None):
-        """Decode up to max_new_tokens per row: greedy at temperature 0, else sampling (from the top_k most likely
-        tokens when top_k is set). Returns (B, <= max_new_tokens) ids without the start token, pad after EOS.
-        The encoder runs once, each layer's cross-attention k/v are projected once, the weights a step uses are
-        packed for its B rows once (each layer's q/k/v concatenated), and self-attention k/v go into buffers sized
-        for max_new_tokens up front, so every step has the same shapes."""
-        self.check_ids('input_ids', input_ids)
-        self.check_ids('attention_mask', attention_mask, like=input_ids)
-        c, B, device = self.config, input_ids.size(0), input_ids.device
-        dtype = self.compute_dtype(device)
-        encoder_out = self.encoder(self.shared(input_ids), attention_mask, dtype)
-        encoder_kv = [block.cross_attn.encoder_kv(encoder_out) for block in self.decoder.blocks]
-        cross_mask = padding_mask(attention_mask, dtype)
-        shape = (B, c.num_heads, max_new_tokens, c.d_kv)
-        cache = [(pack_weight(block.self_attn.qkv_weight().to(dtype), B),
-                  torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                 for block in self.decoder.blocks]
-        step_linears = [self.lm_head] + [m for b in self.decoder.blocks for m in
-                                         (b.self_attn.o, b.cross_attn.q, b.cross_attn.o, b.ff.wi_0, b.ff.wi_1, b.ff.wo)]
-        # made outside inference_mode, so that autograd accepts the ids afterwards (as labels to train on, say)
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0, top_k=None, compile=False):
+        """Up to max_new_tokens ids per row (B, <= max_new_tokens), no start token, pad after EOS: greedy at temperature
+        0, else sampled (from the top_k likeliest). The encoder and the cross-attention k/v run once, self-attention
+        k/v go into KVCaches. compile=True runs decode_step through torch.compile (compiled once per batch shape)."""
+        check_ids('input_ids', input_ids)
+        check_ids('attention_mask', attention_mask, like=input_ids)
+        c, B, device, dtype = self.config, input_ids.size(0), input_ids.device, self.compute_dtype(input_ids.device)
         out = torch.full((B, max_new_tokens), c.pad_token_id, dtype=torch.long, device=device)
+        step = torch.compile(self.decode_step, fullgraph=True) if compile else self.decode_step
+        encoder_kv = self.decoder.encoder_kv(self.encoder(self.shared(input_ids), attention_mask, dtype))
+        cross_mask = padding_mask(attention_mask, dtype)
+        for block in self.decoder.blocks:
+            block.self_attn.kv_cache = KVCache((B, c.num_heads, max_new_tokens, c.d_kv), dtype, device)
         token = torch.full((B, 1), c.decoder_start_token_id, dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
-        # inference_mode: no_grad without the version counters and view tracking, 0.4 ms less per step
-        with torch.inference_mode(), packed(step_linears, B):
-            for pos in range(max_new_tokens):
-                x = self.decoder(self.shared(token), encoder_kv, cross_mask, None, dtype, cache=cache, pos=pos)
-                logits = self.lm_head(x[:, -1] * c.output_scaling).float()  # (B, vocab)
-                if temperature == 0.0:
-                    token = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None:
-                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, -float('inf'))
-                    token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-                token = token.masked_fill(finished[:, None], c.pad_token_id)
-                out[:, pos] = token[:, 0]
-                finished |= token[:, 0] == c.eos_token_id
-                if finished.all():
-                    return out[:, :pos + 1]
-            return out
+        pos = torch.zeros(1, dtype=torch.long, device=device)  # a tensor, not an int: one compiled graph for all
+        for i in range(max_new_tokens):
+            logits = step(token, pos, encoder_kv, cross_mask)
+            if temperature == 0.0:
+                token = logits.argmax(-1, keepdim=True)
+            else:
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, -float('inf'))
+                token = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
+            out[:, i] = token.masked_fill_(finished[:, None], c.pad_token_id)[:, 0]
+            finished |= token[:, 0] == c.eos_token_id
+            if finished.all():
+                break
+            pos += 1
+        for block in self.decoder.blocks:  # the caches only hold this call's tokens: free them
+            block.self_attn.kv_cache = None
+        return out[:, :pos.item() + 1]  # all steps, or up to the one where every row was finished
 
     # ---- Hugging Face checkpoints ----
-
     @classmethod
     def from_pretrained(cls, name_or_dir, **overrides):
-        """Load a gated-GELU T5 (t5-v1_1-*, flan-t5-*, t5-*-lm-adapt, nanoT5) from a local folder holding
-        config.json and model.safetensors (or pytorch_model.bin), or from a Hugging Face Hub id.
-        overrides are T5Config fields applied on top of config.json, e.g. dropout=0.1 for fine-tuning."""
+        """A gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5) from a Hub id or a folder with config.json and
+        model.safetensors (or pytorch_model.bin); overrides are T5Config fields, e.g. dropout=0.1 to fine-tune."""
         folder = name_or_dir if os.path.isdir(name_or_dir) else _download(name_or_dir)
         with open(os.path.join(folder, 'config.json')) as f:
             hf = json.load(f)
-        activation = hf.get('feed_forward_proj', 'relu')
-        if activation != 'gated-gelu':
-            raise UserError(f"unsupported model {name_or_dir}: feed_forward_proj is {activation!r}, model.py "
-                            f"implements gated-gelu T5s (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5)")
+        if hf.get('feed_forward_proj', 'relu') != 'gated-gelu':
+            raise UserError(f"unsupported model {name_or_dir}: feed_forward_proj is {hf.get('feed_forward_proj')!r}, "
+                            f"model.py implements gated-gelu T5s (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5)")
         state_dict = _read_weights(folder)
-        shared = state_dict['shared.weight']
         fields = {f.name: hf[_HF_CONFIG_NAMES.get(f.name, f.name)] for f in dataclasses.fields(T5Config)
                   if hf.get(_HF_CONFIG_NAMES.get(f.name, f.name)) is not None}
         fields.setdefault('num_decoder_layers', fields['num_layers'])
-        # transformers 5.x writes tie_word_embeddings=true even for untied models, so the weights decide tying,
-        # and the output scaling comes from scale_decoder_outputs, or from the config's tie_word_embeddings without it
+        # transformers 5.x says tie_word_embeddings=true even when untied: the weights decide tying, and the output
+        # scaling comes from scale_decoder_outputs, or without it from the config's tie_word_embeddings
+        shared = state_dict['shared.weight']
         lm_head = state_dict.get('lm_head.weight', shared)
         fields['tie_word_embeddings'] = lm_head is shared or torch.equal(lm_head, shared)
         fields.setdefault('scale_decoder_outputs', hf.get('tie_word_embeddings', True))
@@ -545,54 +383,45 @@ class T5(nn.Module):
         return self
 
     def save_pretrained(self, folder):
-        """Write config.json and model.safetensors in Hugging Face's layout, so that
-        transformers.T5ForConditionalGeneration.from_pretrained(folder) gives the same model."""
+        """config.json and model.safetensors that transformers' T5ForConditionalGeneration loads as this model."""
         from safetensors.torch import save
-        c = self.config
-        os.makedirs(folder, exist_ok=True)
-        state_dict = self.state_dict()
+        c, state_dict = self.config, self.state_dict()
         tensors = {hf_name: state_dict[name].contiguous() for name, hf_name in _hf_names(self)
                    if not (c.tie_word_embeddings and name == 'lm_head.weight')}  # tied: the same tensor as shared
-        with atomic_write(os.path.join(folder, 'model.safetensors')) as f:
-            f.write(save(tensors, metadata={'format': 'pt'}))
         hf = {_HF_CONFIG_NAMES.get(k, k): v for k, v in dataclasses.asdict(c).items()}
         hf.update(architectures=['T5ForConditionalGeneration'], model_type='t5', feed_forward_proj='gated-gelu',
                   dense_act_fn='gelu_new', is_gated_act=True, is_encoder_decoder=True, initializer_factor=1.0,
                   use_cache=True, scale_decoder_outputs=c.output_scaling != 1.0)
-        with atomic_write(os.path.join(folder, 'config.json'), 'w') as f:
-            json.dump(hf, f, indent=2)
-
+        os.makedirs(folder, exist_ok=True)
+        for name, data in (('model.safetensors', save(tensors, metadata={'format': 'pt'})),
+                           ('config.json', json.dumps(hf, indent=2).encode())):
+            # written under a temporary name, then renamed: a crash mid-write never leaves a truncated file
+            path = os.path.join(folder, name)
+            with open(path + '.tmp', 'wb') as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + '.tmp', path)
 
 # T5Config fields that Hugging Face's config.json names differently; all others have the same name
 _HF_CONFIG_NAMES = {'dropout': 'dropout_rate', 'layer_norm_eps': 'layer_norm_epsilon'}
-# our block sub-modules -> Hugging Face's, per stack; parameters inside them (q, k, v, o, wi_0...) have the same names
-_HF_SUBLAYERS = {
-    'encoder': dict(ln_1='layer.0.layer_norm', attn='layer.0.SelfAttention', ln_2='layer.1.layer_norm',
-                    ff='layer.1.DenseReluDense'),
-    'decoder': dict(ln_1='layer.0.layer_norm', self_attn='layer.0.SelfAttention', ln_2='layer.1.layer_norm',
-                    cross_attn='layer.1.EncDecAttention', ln_3='layer.2.layer_norm', ff='layer.2.DenseReluDense'),
-}
+# our block sub-modules -> Hugging Face's; the parameters inside them (q, k, v, o, wi_0...) have the same names
+_HF_SUBLAYERS = dict(ln_1='layer.0.layer_norm', attn='layer.0.SelfAttention', self_attn='layer.0.SelfAttention',
+                     ln_2='layer.1.layer_norm', cross_attn='layer.1.EncDecAttention', ln_3='layer.2.layer_norm')
 # copies of shared.weight, and a cross-attention bias table that old checkpoints carry but T5 never uses
 _HF_REDUNDANT = {'encoder.embed_tokens.weight', 'decoder.embed_tokens.weight',
                  'decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight'}
 
-
-def _hf_names(model):
-    """(our name, Hugging Face's name) for every tensor in the state dict, e.g.
-    decoder.blocks.3.cross_attn.k.weight -> decoder.block.3.layer.1.EncDecAttention.k.weight."""
+def _hf_names(model):  # e.g. decoder.blocks.3.cross_attn.k.weight -> decoder.block.3.layer.1.EncDecAttention.k.weight
     for name in model.state_dict():
         stack, kind, *rest = name.split('.')
-        if kind == 'ln_f':
-            yield name, f'{stack}.final_layer_norm.weight'
-        elif kind == 'blocks':
-            i, sub, param = rest[0], rest[1], '.'.join(rest[2:])
-            yield name, f'{stack}.block.{i}.{_HF_SUBLAYERS[stack][sub]}.{param}'
-        else:
-            yield name, name  # shared.weight, lm_head.weight
-
+        if kind == 'blocks':  # the feed-forward is the encoder's second layer, the decoder's third
+            sub = _HF_SUBLAYERS.get(rest[1]) or f"layer.{1 if stack == 'encoder' else 2}.DenseReluDense"
+            yield name, '.'.join([stack, 'block', rest[0], sub, *rest[2:]])
+        else:  # ln_f, shared, lm_head
+            yield name, name.replace('ln_f', 'final_layer_norm')
 
 def _download(repo_id):
-    """Fetch config.json and the weights of a Hub model into the local cache; one-line error when that fails."""
     if os.path.exists(repo_id) or repo_id.startswith(('.', '/', '~')) or repo_id.count('/') != 1:
         raise UserError(f"{repo_id} is not a folder with a Hugging Face checkpoint, nor a Hub id like "
                         f"google/t5-v1_1-small")
@@ -606,44 +435,16 @@ def _download(repo_id):
                         f"folder with config.json and model.safetensors (or pytorch_model.bin) instead")
     return folder
 
-
 def _read_weights(folder):
     """All tensors of the checkpoint in folder (sharded or not), safetensors preferred."""
-    files = sorted(glob.glob(os.path.join(folder, '*.safetensors')))
+    files = sorted(glob.glob(f'{folder}/*.safetensors')) or sorted(glob.glob(f'{folder}/pytorch_model*.bin'))
+    if not files:
+        raise UserError(f"no model.safetensors or pytorch_model.bin in {folder}; save one with save_pretrained")
     try:
-        if files:
+        if files[0].endswith('.safetensors'):
             from safetensors.torch import load_file
             return {k: v for f in files for k, v in load_file(f).items()}
-        files = sorted(glob.glob(os.path.join(folder, 'pytorch_model*.bin')))
-        if not files:
-            raise UserError(f"no model.safetensors or pytorch_model.bin in {folder}; save one with save_pretrained")
         return {k: v for f in files for k, v in torch.load(f, map_location='cpu', weights_only=True).items()}
-    except UserError:
-        raise
     except Exception as e:
         raise UserError(f"could not read the weights in {folder} ({type(e).__name__}: {str(e).splitlines()[0][:100]}); "
                         f"the file is corrupt or truncated, download or save it again")
-
-
-# ---- writing files atomically ----
-
-def commit(f, path):
-    """Finish a file written under a temporary name: flush it to disk, then rename it to path in one step."""
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-    os.replace(f.name, path)
-
-
-@contextlib.contextmanager
-def atomic_write(path, mode='wb'):
-    """Write to path.tmp and rename it to path once complete: a crash or Ctrl-C mid-write leaves the previous file
-    intact, never a truncated one under the final name."""
-    f = open(path + '.tmp', mode)
-    try:
-        yield f
-        commit(f, path)
-    finally:
-        if not f.closed:
-            f.close()
-            os.remove(f.name)
