@@ -28,7 +28,7 @@ import torch
 from model import PRESETS, T5, T5Config
 from optim import make_optimizer, param_groups, train_step
 from prepare import Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta, span_corrupt
-from runtime import DTYPES, UserError, check_device, mfu, print0, setup_runtime
+from runtime import DTYPES, UserError, check_device, flops_per_step, mfu, print0, setup_runtime
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config; --key=value overrides any of these, and `valid` below each group says what values they may take
@@ -254,7 +254,7 @@ def bench_train(rt, shape, vocab_size, compile_model, timing, peak_flops=0.0, da
         torch.cuda.reset_peak_memory_stats()
     first = burn(step_fn, timing)
     dt = statistics.median(timed(step_fn, timing.sync) for _ in range(timing.steps))
-    flops = t5.flops_per_step(shape.batch_size, shape.input_length, shape.targets_length)
+    flops = flops_per_step(t5, shape.batch_size, shape.input_length, shape.targets_length)
     mfu_now = mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops))
     if timing.trace_prefix:
         trace("ours", step_fn, timing)
@@ -382,9 +382,10 @@ def bench_optim(rt, model_name, vocab_size, compare, timing, lr=2e-2, seed=1337)
 
 
 def bench_generate(rt, model_name, vocab_size, compare, timing, batch_size=8, input_length=512, max_new_tokens=128,
-                   seed=1337):
+                   seed=1337, compile_step=False):
     """
-    Greedy decoding of batch_size x max_new_tokens. Random weights often pick EOS early, and a batch that stops
+    Greedy decoding of batch_size x max_new_tokens; compile_step: ours compiles its one-token decode step (gpt-fast's
+    way), transformers' generate runs as it is. Random weights often pick EOS early, and a batch that stops
     early measures less work; both models get an EOS id no token can have (ours -1, transformers' None), so both
     always run all max_new_tokens steps, and the shapes are checked below.
     """
@@ -402,7 +403,7 @@ def bench_generate(rt, model_name, vocab_size, compare, timing, batch_size=8, in
     def ours(net):
         def run():
             with rt.autocast():
-                return net.generate(input_ids, max_new_tokens=max_new_tokens, compile=compile)  # compiles the decode step
+                return net.generate(input_ids, max_new_tokens=max_new_tokens, compile=compile_step)
         return run
 
     def theirs():
@@ -453,7 +454,7 @@ if __name__ == "__main__":
         bench_optim(rt, shape.model_name, vocab_size, compare, timing, lr, seed)
     elif part == "generate":
         bench_generate(rt, shape.model_name, vocab_size, compare, timing, generate_batch_size, input_length,
-                       max_new_tokens, seed)
+                       max_new_tokens, seed, compile)
     elif table:
         print_table(device, shape, vocab_size, timing, peak_flops, data_dir, seed)
     elif compare:

@@ -1,7 +1,6 @@
 """A T5 v1.1 encoder-decoder in one file, numerically the same model as Hugging Face's T5ForConditionalGeneration.
-References: the T5 paper (https://arxiv.org/abs/1910.10683); t5x / mesh-tensorflow for the v1.1 shapes, position
-buckets and init; transformers' modeling_t5.py, whose checkpoints this file reads and writes; gpt-fast, whose
-static KV cache and compiled one-token decoding step generate() follows."""
+References: the T5 paper (arxiv.org/abs/1910.10683); t5x for v1.1's shapes, position buckets and init; transformers'
+modeling_t5.py, whose checkpoints this reads and writes; gpt-fast's static KV cache and compiled decode step."""
 
 import dataclasses
 import glob
@@ -13,8 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 class UserError(Exception):
     """Bad input from the user: the message is one line saying what is wrong and how to fix it."""
+
 
 @dataclasses.dataclass
 class T5Config:
@@ -46,6 +47,7 @@ class T5Config:
             raise UserError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
+
 # shapes from the t5x gin files; 't5-tiny' is small enough to train on a laptop CPU
 PRESETS = {
     't5-tiny': dict(d_model=256, d_ff=768, num_heads=4, d_kv=64, num_layers=4, num_decoder_layers=4),
@@ -55,6 +57,7 @@ PRESETS = {
     't5-v1_1-xl': dict(d_model=2048, d_ff=5120, num_heads=32, d_kv=64, num_layers=24, num_decoder_layers=24),
     't5-v1_1-xxl': dict(d_model=4096, d_ff=10240, num_heads=64, d_kv=64, num_layers=24, num_decoder_layers=24),
 }
+
 
 def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
     """key_position - query_position -> bucket id: half the buckets are exact offsets, half logarithmically wider up
@@ -72,6 +75,7 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
     large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
     return bucket + torch.where(distance < max_exact, distance, large)
 
+
 class RMSNorm(nn.Module):
     """T5's layer norm: scale only, no mean subtraction, no bias, variance in fp32 even under autocast."""
     def __init__(self, dim, eps):
@@ -81,6 +85,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         x = x.float()
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
 
 class KVCache(nn.Module):
     """Self-attention k, v of the tokens decoded so far, in buffers sized up front: every step has the same shapes."""
@@ -93,6 +98,7 @@ class KVCache(nn.Module):
         self.k_cache.index_copy_(2, pos, k)
         self.v_cache.index_copy_(2, pos, v)
         return self.k_cache, self.v_cache
+
 
 class Attention(nn.Module):
     """Multi-head attention without the 1/sqrt(d_kv) scaling, which T5 folds into the init of q. q, k, v stay separate
@@ -132,6 +138,7 @@ class Attention(nn.Module):
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, nh*hs) -> (B, T, d_model)
 
+
 class GatedGELU(nn.Module):
     """v1.1's feed-forward: gelu(x @ wi_0) * (x @ wi_1) @ wo, with the tanh approximation of GELU."""
     def __init__(self, config):
@@ -142,6 +149,7 @@ class GatedGELU(nn.Module):
 
     def forward(self, x):
         return self.wo(self.dropout(F.gelu(self.wi_0(x), approximate='tanh') * self.wi_1(x)))
+
 
 class EncoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
@@ -155,6 +163,7 @@ class EncoderBlock(nn.Module):
     def forward(self, x, mask):
         x = x + self.dropout(self.attn(self.ln_1(x), mask))
         return x + self.dropout(self.ff(self.ln_2(x)))
+
 
 class DecoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
@@ -172,11 +181,13 @@ class DecoderBlock(nn.Module):
         x = x + self.dropout(self.cross_attn(self.ln_2(x), cross_mask, kv=encoder_kv))
         return x + self.dropout(self.ff(self.ln_3(x)))
 
+
 def padding_mask(attention_mask, dtype):
     """(B, S), 0 at padding -> additive (B, 1, 1, S): the dtype's minimum there (not -inf: no NaN rows), else 0."""
     if attention_mask is not None:
         padded = attention_mask[:, None, None, :] == 0
         return torch.zeros(padded.shape, dtype=dtype, device=padded.device).masked_fill(padded, torch.finfo(dtype).min)
+
 
 class Stack(nn.Module):
     """The encoder or the decoder; only the first block owns a position bias table, which every block then uses."""
@@ -186,8 +197,8 @@ class Stack(nn.Module):
         self.ln_f = RMSNorm(config.d_model, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
-class Encoder(Stack):
 
+class Encoder(Stack):
     def forward(self, x, attention_mask, dtype):  # x: the token embeddings (B, S, d_model)
         positions = torch.arange(x.size(1), device=x.device)
         mask = self.blocks[0].attn.position_bias(positions, positions).to(dtype)  # (1, nh, S, S)
@@ -198,15 +209,17 @@ class Encoder(Stack):
             x = block(x, mask)
         return self.dropout(self.ln_f(x))
 
-class Decoder(Stack):
 
+class Decoder(Stack):
     def encoder_kv(self, encoder_out):
-        """Every layer's cross-attention (k, v), (B, nh, S, hs) each, in one matmul over all layers' weights.
-        Contiguous: the attention kernel reads strided k, v 1.3x (fp32) to 2.3x (bf16) slower."""
+        """Every layer's cross-attention (k, v), (B, nh, S, hs) each, in one matmul over all layers' weights. Copied
+        contiguous on CPU only: its attention kernel reads strided k, v 1.3x (fp32) to 2.3x (bf16) slower, while
+        CUDA's kernels take the strided views as they are, and a copy would cost two (B, S, d) tensors a layer."""
         B, S, _ = encoder_out.shape
         weight = torch.cat([w for b in self.blocks for w in (b.cross_attn.k.weight, b.cross_attn.v.weight)])
         kv = F.linear(encoder_out, weight).view(B, S, 2 * len(self.blocks), -1, self.blocks[0].cross_attn.d_kv)
-        kv = kv.permute(2, 0, 3, 1, 4).contiguous()  # (B, S, 2L, nh, hs) -> (2L, B, nh, S, hs)
+        kv = kv.permute(2, 0, 3, 1, 4)  # (B, S, 2L, nh, hs) -> (2L, B, nh, S, hs)
+        kv = kv.contiguous() if kv.device.type == 'cpu' else kv
         return list(zip(kv[0::2], kv[1::2]))
 
     def forward(self, x, encoder_kv, cross_mask, decoder_attention_mask, dtype, pos=None):
@@ -223,6 +236,7 @@ class Decoder(Stack):
             x = block(x, mask, cross_mask, kv, pos)
         return self.dropout(self.ln_f(x))
 
+
 def check_ids(name, ids, like=None):
     """Shape and dtype only, no values: checking id < vocab would cost a GPU sync every step."""
     if ids is not None and (not torch.is_tensor(ids) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2):
@@ -230,6 +244,7 @@ def check_ids(name, ids, like=None):
         raise UserError(f"{name} must be a 2-D int64 tensor (batch, length), got a {what}")
     if ids is not None and like is not None and ids.shape != like.shape:
         raise UserError(f"{name} has shape {tuple(ids.shape)} but its ids have shape {tuple(like.shape)}")
+
 
 class T5(nn.Module):
     def __init__(self, config):
@@ -245,9 +260,8 @@ class T5(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Mesh-TensorFlow's init: matrices normal with std 1/sqrt(fan_in) (q's also absorbs the 1/sqrt(d_kv) attention
-        leaves out), embeddings 1. An untied lm_head gets fan_in's d_model**-0.5 as in t5x, not Hugging Face's 1.0: with
-        1.0 the first loss is above 100 (nanoT5 issue #25) and its logits underflow to denormals, 3-6x slower on CPU."""
+        """Mesh-TensorFlow's init: matrices N(0, 1/fan_in), q's std also taking the 1/sqrt(d_kv) attention leaves out;
+        embeddings N(0, 1). An untied lm_head gets t5x's d_model**-0.5, not HF's 1.0 (first loss > 100, nanoT5 #25)."""
         c = self.config
         for name, p in self.named_parameters():  # a tied lm_head is shared.weight, initialised once as that
             if p.dim() == 1:  # RMSNorm
@@ -260,21 +274,9 @@ class T5(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied lm_head only once
 
-    def flops_per_step(self, batch_size, input_length, target_length):
-        """Training FLOPs of a step, for MFU: 6 per weight per token it sees (S inputs: encoder, cross-attention k/v;
-        T targets: the rest of the decoder, lm_head; the embedding is a lookup), + 12 * nh * d_kv * Tq * Tk a layer."""
-        c, S, T = self.config, input_length, target_length
-        n_enc = sum(p.numel() for p in self.encoder.parameters())
-        n_cross_kv = sum(2 * b.cross_attn.k.weight.numel() for b in self.decoder.blocks)
-        n_dec = sum(p.numel() for p in self.decoder.parameters()) - n_cross_kv
-        flops = 6 * (n_enc * S + n_dec * T + n_cross_kv * S + c.d_model * c.vocab_size * T)
-        flops += 12 * c.num_heads * c.d_kv * (c.num_layers * S * S + c.num_decoder_layers * (T * T + T * S))
-        return batch_size * flops
-
-    def compute_dtype(self, device):
-        """The activations' dtype: the autocast dtype inside autocast, else the weights'."""
-        autocast = torch.is_autocast_enabled(device.type)
-        return torch.get_autocast_dtype(device.type) if autocast else self.shared.weight.dtype
+    def compute_dtype(self, device):  # the activations' dtype: autocast's inside autocast, else the weights'
+        kind = device.type
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.shared.weight.dtype
 
     def forward(self, input_ids, decoder_input_ids=None, labels=None, attention_mask=None, decoder_attention_mask=None):
         for name, ids, like in (('input_ids', input_ids, None), ('attention_mask', attention_mask, input_ids),
@@ -305,9 +307,7 @@ class T5(nn.Module):
         x = self.decoder(self.shared(token), encoder_kv, cross_mask, None, self.compute_dtype(token.device), pos)
         return self.lm_head(x[:, -1] * self.config.output_scaling).float()
 
-    # no_grad, not inference_mode: autocast then casts each weight once per call rather than once per step (it caches
-    # casts only outside inference_mode), and the ids returned work with autograd, e.g. as labels
-    @torch.no_grad()
+    @torch.no_grad()  # not inference_mode, under which autocast re-casts every weight at every step
     def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0, top_k=None, compile=False):
         """Up to max_new_tokens ids per row (B, <= max_new_tokens), no start token, pad after EOS: greedy at temperature
         0, else sampled (from the top_k likeliest). The encoder and the cross-attention k/v run once, self-attention
@@ -359,8 +359,7 @@ class T5(nn.Module):
         fields.setdefault('num_decoder_layers', fields['num_layers'])
         # transformers 5.x says tie_word_embeddings=true even when untied: the weights decide tying, and the output
         # scaling comes from scale_decoder_outputs, or without it from the config's tie_word_embeddings
-        shared = state_dict['shared.weight']
-        lm_head = state_dict.get('lm_head.weight', shared)
+        shared, lm_head = state_dict['shared.weight'], state_dict.get('lm_head.weight', state_dict['shared.weight'])
         fields['tie_word_embeddings'] = lm_head is shared or torch.equal(lm_head, shared)
         fields.setdefault('scale_decoder_outputs', hf.get('tie_word_embeddings', True))
         model = cls(T5Config(**{**fields, **overrides}))
@@ -394,14 +393,14 @@ class T5(nn.Module):
                   use_cache=True, scale_decoder_outputs=c.output_scaling != 1.0)
         os.makedirs(folder, exist_ok=True)
         for name, data in (('model.safetensors', save(tensors, metadata={'format': 'pt'})),
-                           ('config.json', json.dumps(hf, indent=2).encode())):
-            # written under a temporary name, then renamed: a crash mid-write never leaves a truncated file
+                           ('config.json', json.dumps(hf, indent=2).encode())):  # a crash never leaves half a file:
             path = os.path.join(folder, name)
-            with open(path + '.tmp', 'wb') as f:
+            with open(path + '.tmp', 'wb') as f:  # written under a temporary name, then renamed
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(path + '.tmp', path)
+
 
 # T5Config fields that Hugging Face's config.json names differently; all others have the same name
 _HF_CONFIG_NAMES = {'dropout': 'dropout_rate', 'layer_norm_eps': 'layer_norm_epsilon'}
@@ -412,6 +411,7 @@ _HF_SUBLAYERS = dict(ln_1='layer.0.layer_norm', attn='layer.0.SelfAttention', se
 _HF_REDUNDANT = {'encoder.embed_tokens.weight', 'decoder.embed_tokens.weight',
                  'decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight'}
 
+
 def _hf_names(model):  # e.g. decoder.blocks.3.cross_attn.k.weight -> decoder.block.3.layer.1.EncDecAttention.k.weight
     for name in model.state_dict():
         stack, kind, *rest = name.split('.')
@@ -421,10 +421,10 @@ def _hf_names(model):  # e.g. decoder.blocks.3.cross_attn.k.weight -> decoder.bl
         else:  # ln_f, shared, lm_head
             yield name, name.replace('ln_f', 'final_layer_norm')
 
+
 def _download(repo_id):
     if os.path.exists(repo_id) or repo_id.startswith(('.', '/', '~')) or repo_id.count('/') != 1:
-        raise UserError(f"{repo_id} is not a folder with a Hugging Face checkpoint, nor a Hub id like "
-                        f"google/t5-v1_1-small")
+        raise UserError(f"{repo_id} is not a folder with a Hugging Face checkpoint, nor a Hub id like t5-v1_1-small")
     try:
         from huggingface_hub import snapshot_download
         folder = snapshot_download(repo_id, allow_patterns=['config.json', '*.safetensors'], etag_timeout=5)
@@ -435,8 +435,8 @@ def _download(repo_id):
                         f"folder with config.json and model.safetensors (or pytorch_model.bin) instead")
     return folder
 
-def _read_weights(folder):
-    """All tensors of the checkpoint in folder (sharded or not), safetensors preferred."""
+
+def _read_weights(folder):  # all tensors of the checkpoint in folder (sharded or not), safetensors preferred
     files = sorted(glob.glob(f'{folder}/*.safetensors')) or sorted(glob.glob(f'{folder}/pytorch_model*.bin'))
     if not files:
         raise UserError(f"no model.safetensors or pytorch_model.bin in {folder}; save one with save_pretrained")

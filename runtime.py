@@ -117,6 +117,24 @@ def gpu_peak_flops(name, dtype):
     return peaks[DTYPES.index(dtype)] if peaks else None
 
 
+def flops_per_step(model, batch_size, input_length, target_length):
+    """Training FLOPs (forward + backward) of one step over batch_size examples, for MFU. A matmul costs 6 FLOPs per
+    weight per token it sees (2 forward, 4 backward):
+      6 * N_encoder * S                   encoder weights (not the embedding, a lookup) over S input tokens
+    + 6 * (N_decoder - N_cross_kv) * T    decoder weights over T target tokens ...
+    + 6 * N_cross_kv * S                  ... except cross-attention k/v, which project the S encoder outputs
+    + 6 * d_model * vocab * T             lm_head (counted even when tied: a matmul, not a lookup)
+    + 12 * nh * d_kv * (L_enc * S*S + L_dec * (T*T + T*S))   attention scores and weighted sums: 2 matmuls of
+                                          2*Tq*Tk*nh*d_kv FLOPs, x3 for the backward (causal masks not discounted)"""
+    c, S, T = model.config, input_length, target_length
+    n_enc = sum(p.numel() for p in model.encoder.parameters())
+    n_cross_kv = sum(2 * b.cross_attn.k.weight.numel() for b in model.decoder.blocks)
+    n_dec = sum(p.numel() for p in model.decoder.parameters()) - n_cross_kv
+    flops = 6 * (n_enc * S + n_dec * T + n_cross_kv * S + c.d_model * c.vocab_size * T)
+    flops += 12 * c.num_heads * c.d_kv * (c.num_layers * S * S + c.num_decoder_layers * (T * T + T * S))
+    return batch_size * flops
+
+
 def mfu(flops_per_step, seconds_per_step, world_size, peak_flops):
     """model FLOP utilisation of each GPU: flops_per_step counts the whole global batch, which world_size GPUs share,
     against one GPU's peak; None when the peak is unknown"""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import bench
-from runtime import setup_runtime
+from runtime import flops_per_step, setup_runtime
 
 TINY = bench.Shape("t5-tiny", batch_size=4, input_length=32)
 VOCAB = 256  # a small vocab keeps the embedding and lm_head, and so each step, small
@@ -27,7 +27,7 @@ def test_bench_train_tiny():
     assert mfu is None and memory > 0 and first > 0  # no known peak on a CPU
     # with a peak given, MFU is the model's FLOPs per second over it
     dt, _, mfu, _, _ = bench.bench_train(rt, TINY, VOCAB, False, ONE_STEP, peak_flops=1e12)
-    flops = bench.build_model(rt, "t5-tiny", VOCAB).flops_per_step(4, 32, TINY.targets_length)
+    flops = flops_per_step(bench.build_model(rt, "t5-tiny", VOCAB), 4, 32, TINY.targets_length)
     assert mfu == pytest.approx(flops / dt / 1e12)
 
 

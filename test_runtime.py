@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from runtime import (DTYPES, Logger, Runtime, UserError, atomic_write, check_resume, claim_out_dir, load_checkpoint,
-                     memory_report, mfu, save_checkpoint)
+from model import T5, T5Config
+from runtime import (DTYPES, Logger, Runtime, UserError, atomic_write, check_resume, claim_out_dir, flops_per_step,
+                     load_checkpoint, memory_report, mfu, save_checkpoint)
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -148,3 +149,14 @@ def test_resume_refuses_other_settings_and_reports_changes(capsys):
     other_data = {"settings": {"tokenizer": "train", "vocab_size": 4000}}
     with pytest.raises(UserError, match="data.tokenizer 't5' -> 'train', data.vocab_size None -> 4000"):
         check_resume(ckpt, "out/ckpt.pt", config, other_data, fixed=("model", "optimizer"))
+
+
+def test_flops_per_step_counts_every_matmul():
+    with torch.device("meta"):
+        model = T5(T5Config.from_preset("t5-v1_1-small"))
+    c, S, T = model.config, 512, 114
+    n = model.num_params() - c.vocab_size * c.d_model  # all weights but the embedding lookup
+    flops = flops_per_step(model, 4, S, T)
+    # weights alone, each over the tokens of its own stack, bound it from below; attention adds the rest
+    assert flops > 4 * 6 * (sum(p.numel() for p in model.encoder.parameters()) * S)
+    assert 4 * 6 * n * T < flops < 4 * 6 * n * S + 4 * 12 * 384 * 16 * S * S

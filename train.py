@@ -18,7 +18,8 @@ from optim import LR_SCHEDULES, check_optimizer, get_lr, make_optimizer, param_g
 from prepare import (MAX_VOCAB_SIZE, Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta,
                      load_tokenizer, prepare, show_fill)
 from runtime import (DTYPES, Checkpointer, Logger, check_device, check_resume, checkpoint_state, claim_out_dir,
-                     load_checkpoint, memory_report, mfu, print0, raw_model, restore_rng, setup_runtime)
+                     flops_per_step, load_checkpoint, memory_report, mfu, print0, raw_model, restore_rng,
+                     setup_runtime)
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override any of these. Below each
@@ -119,7 +120,7 @@ if ckpt is not None:
     restore_rng(ckpt)
 step = ckpt["step"] if ckpt is not None else 0  # optimizer steps done
 elapsed = ckpt["elapsed"] if ckpt is not None else 0.0  # training seconds, summed over resumes for the time budget
-flops_per_step = t5.flops_per_step(batch_size, input_length, targets_length)
+step_flops = flops_per_step(t5, batch_size, input_length, targets_length)
 ckpt = None  # free the checkpoint's copy of the weights
 if compile:
     t5 = torch.compile(t5)
@@ -184,7 +185,7 @@ while step < max_steps and not checkpoints.stop:
     if checkpoints.agree(step, loss, grad_norm):  # every log_interval steps, and every checkpoint step
         dt = (time.time() - t_log) / steps_since_log
         t_log, steps_since_log = time.time(), 0
-        mfu_now = mfu(flops_per_step, dt, rt.world_size, peak)
+        mfu_now = mfu(step_flops, dt, rt.world_size, peak)
         eta_s = budget_s - checkpoints.elapsed if budget_s else (max_steps - step) * dt
         record = {"step": step, "loss": checkpoints.loss, "lr": lr_now, "grad_norm": grad_norm.item(),
                   "ms_per_step": 1000 * dt, "tokens_per_s": tokens_per_step / dt, "mfu": mfu_now,
