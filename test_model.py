@@ -309,3 +309,12 @@ def test_cross_attention_kv_are_copied_contiguous_on_cpu_only():
     kv = model.to("meta").decoder.encoder_kv(encoder_out.to("meta"))
     assert not any(k.is_contiguous() or v.is_contiguous() for k, v in kv)
 
+
+
+def test_compiled_decode_step_generates_the_same_tokens():
+    # generate(compile=True) runs decode_step through torch.compile(fullgraph=True): one graph for every position
+    torch.manual_seed(9)
+    ours = T5(T5Config(**{**SMALL, "num_layers": 1, "num_decoder_layers": 1})).eval()
+    prompts, attention_mask, _ = padded_batch(seed=10, B=3, S=12)
+    eager = ours.generate(prompts, attention_mask, max_new_tokens=6)
+    assert torch.equal(ours.generate(prompts, attention_mask, max_new_tokens=6, compile=True), eager)
