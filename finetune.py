@@ -9,8 +9,10 @@ $ python finetune.py --init_from=google/t5-v1_1-base --out_dir=out-ft-base
 $ python finetune.py --init_from=out-finetune/ckpt.pt --eval_only=True --out_dir=out-eval
 $ python finetune.py --init_from=resume  # continue the run in out_dir after Ctrl-C
 
-With DDP on 4 GPUs of one node:
+With DDP on 4 GPUs of one node, or with the model sharded over them (FSDP, for xl and xxl; init_from may be a
+sharded train.py checkpoint, the directory out/ckpt):
 $ torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/ckpt.pt
+$ torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/ckpt --fsdp=True
 """
 import json
 import os
@@ -21,14 +23,14 @@ from functools import lru_cache
 from statistics import mean
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from model import T5
 from optim import check_optimizer, make_optimizer, param_groups, train_step
 from prepare import SentencePieceTokenizer, load_tokenizer, t5_spiece
-from runtime import (DTYPES, Checkpointer, Logger, UserError, atomic_write, check_device, check_resume,
-                     checkpoint_state, claim_out_dir, load_checkpoint, print0, restore_rng, setup_runtime)
+from runtime import (DTYPES, Checkpointer, Logger, UserError, atomic_write, check_device, check_fsdp, check_resume,
+                     checkpoint_state, claim_out_dir, finished_dir, load_checkpoint, print0, raw_model, restore_state,
+                     setup_runtime, unsharded_copy, wrap_model)
 
 # -----------------------------------------------------------------------------
 # default config values, those of nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data setup; below each
@@ -36,7 +38,7 @@ from runtime import (DTYPES, Checkpointer, Logger, UserError, atomic_write, chec
 valid = {}
 # I/O
 data_dir = "natural-instructions"  # a clone of allenai/natural-instructions
-init_from = "out/ckpt.pt"  # a train.py/finetune.py checkpoint, a Hugging Face T5 name or folder, or 'resume'
+init_from = "out/ckpt.pt"  # a train.py/finetune.py checkpoint (file, or FSDP directory), an HF T5 name/folder, 'resume'
 out_dir = "out-finetune"
 eval_only = False  # only evaluate init_from on the test tasks
 wandb_log = False
@@ -76,8 +78,9 @@ valid.update(eval_batch_size="> 0", max_new_tokens="> 0")
 device = "auto"  # cuda > mps > cpu
 dtype = "float32"  # the paper's fine-tuning numbers are fp32; 'bfloat16' is faster on GPUs that have it
 compile = False  # batches are padded to their longest prompt, so every new length would compile again
+fsdp = False  # under torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP
 seed = 1337
-valid.update(device=check_device, dtype=DTYPES, compile="any", seed=">= 0")
+valid.update(device=check_device, dtype=DTYPES, compile="any", fsdp=check_fsdp, seed=">= 0")
 # -----------------------------------------------------------------------------
 
 
@@ -223,9 +226,10 @@ def compute_metrics(records):
                                            for task in tasks})
 
 
-def load_model(init_from, dropout):
-    """(model, checkpoint or None) from a train.py/finetune.py checkpoint or a Hugging Face T5 name or folder."""
-    if init_from.endswith(".pt"):
+def load_model(init_from, dropout, ours=False):
+    """(model, checkpoint or None) from a train.py/finetune.py checkpoint (a .pt file, or a directory of FSDP shards
+    with a state.pt; always when ours, as for a resume) or a Hugging Face T5 name or folder."""
+    if ours or init_from.endswith(".pt") or os.path.isfile(os.path.join(finished_dir(init_from), "state.pt")):
         ckpt = load_checkpoint(init_from)
         return T5.from_checkpoint(ckpt, dropout=dropout), ckpt
     return T5.from_pretrained(init_from, dropout=dropout), None
@@ -259,9 +263,9 @@ if __name__ == "__main__":
     micro_batch_size = rt.micro_batch_size(batch_size, grad_accum_steps)
 
     # the model, and the tokenizer it was pre-trained with: ours from the checkpoint's meta, T5's for Hub weights
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a directory, each rank writes its shards
     resuming = init_from == "resume"
-    model, ckpt = load_model(ckpt_path if resuming else init_from, dropout)
+    model, ckpt = load_model(ckpt_path if resuming else init_from, dropout, ours=resuming)
     meta = ckpt["meta"] if ckpt is not None else None
     if resuming:
         check_resume(ckpt, ckpt_path, config, meta, fixed=("optimizer",))
@@ -287,7 +291,6 @@ if __name__ == "__main__":
     # before training: a new run never replaces a checkpoint, and two runs never write one out_dir
     out_dir_lock = claim_out_dir(out_dir, rt, fresh=not (resuming or eval_only))  # held while the process lives
 
-    model.to(rt.device)
     step = ckpt["step"] if resuming else 0  # optimizer steps done
     elapsed = ckpt["elapsed"] if resuming else 0.0
     steps_per_epoch = len(train_examples) // batch_size
@@ -295,15 +298,13 @@ if __name__ == "__main__":
         raise UserError(f"{len(train_examples)} train examples make no full batch of {batch_size}: "
                         f"lower batch_size or raise max_num_instances_per_task")
     max_steps = 0 if eval_only else max_steps or epochs * steps_per_epoch
+    # on the device; sharded (fsdp: in place, `model` then holds this rank's slices), compiled, DDP-wrapped
+    train_model = wrap_model(model, rt, fsdp, compile, dynamic=True)
     if not eval_only:
-        opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr)
+        opt = make_optimizer(optimizer, param_groups(raw_model(train_model), weight_decay), lr)
         if resuming:
-            opt.load_state_dict(ckpt["optimizer"])
-            restore_rng(ckpt)
+            restore_state(ckpt, train_model, opt)  # the optimizer state and the RNG
     ckpt = None  # free the checkpoint's copy of the weights
-    train_model = torch.compile(model, dynamic=True) if compile else model
-    if rt.ddp:
-        train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
     logger = Logger(out_dir, rt.master, resume_step=step if resuming else None, wandb_log=wandb_log,
                     wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
 
@@ -327,8 +328,9 @@ if __name__ == "__main__":
         """Greedy predictions for every test example, spread over the ranks; rank 0 scores them and writes
         predictions.jsonl and metrics.json (each atomically, so a killed run never leaves half a file)."""
         model.eval()
-        predictions = generate_predictions(model, test_examples, tokenizer, eval_batch_size, max_new_tokens,
-                                           rt.device, rt.autocast, rt.rank, rt.world_size)
+        predictions = generate_predictions(unsharded_copy(model) if fsdp else model, test_examples, tokenizer,
+                                           eval_batch_size, max_new_tokens, rt.device, rt.autocast, rt.rank,
+                                           rt.world_size)
         model.train()
         if rt.ddp:
             shards = [None] * rt.world_size

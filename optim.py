@@ -7,12 +7,39 @@ import math
 from contextlib import nullcontext
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
-from runtime import UserError
+from runtime import UserError, set_gradient_sync
 
 
 def rms(t):
+    # of a DTensor (an FSDP shard), the whole tensor's: DTensor sums the squares over the ranks
     return t.norm() / math.sqrt(t.numel())
+
+
+def local(tensors):
+    """this rank's slices of DTensors, as plain tensors sharing their memory; plain tensors as they are"""
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def norms(tensors):
+    """Each tensor's 2-norm, as 0-d tensors. A DTensor's is the whole tensor's, not its slice's: the slices' squared
+    norms summed over the ranks, in one all-reduce for the whole list."""
+    if not isinstance(tensors[0], DTensor):
+        return torch._foreach_norm(tensors)
+    squares = torch.stack(torch._foreach_norm(local(tensors))).square_()
+    torch.distributed.all_reduce(squares, group=tensors[0].device_mesh.get_group())
+    return list(squares.sqrt_().unbind())
+
+
+def zeros_like_mean(t, dim):
+    """Zeros shaped like t.mean(dim). Of a DTensor, laid out as that mean is once summed over the ranks: sliced where
+    the mean keeps the sliced dim (an FSDP-sharded matrix's row means), whole on every rank where it averaged over
+    it (the column means)."""
+    mean = t.mean(dim=dim)
+    if isinstance(mean, DTensor):
+        mean = mean.redistribute(placements=[Replicate() if p.is_partial() else p for p in mean.placements])
+    return torch.zeros_like(mean)
 
 
 class AdamWScale(torch.optim.Optimizer):
@@ -26,6 +53,8 @@ class AdamWScale(torch.optim.Optimizer):
     Each line runs over all tensors of a param group at once (torch._foreach_*), as torch.optim.AdamW(foreach=True)
     does. Compared with that AdamW it adds a pass that reads p for its RMS, and saves the pass that divides sqrt(v)
     by sqrt(1-b2^t) (here eps is added to sqrt(v) as it is, and the bias correction rides in the step size).
+    Under FSDP p is a DTensor of which each rank holds a slice: RMS(p) is the whole tensor's (one all-reduce for all
+    tensors of a group), and the elementwise lines then run on the slices.
     """
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
@@ -53,13 +82,15 @@ class AdamWScale(torch.optim.Optimizer):
             exp_avg_sqs = [state["exp_avg_sq"] for state in states]
 
             # one step size per tensor, as 0-d tensors on p's device
-            step_sizes = torch._foreach_norm(params)
+            step_sizes = norms(params)
             torch._foreach_mul_(step_sizes, [1 / math.sqrt(p.numel()) for p in params])
             torch._foreach_clamp_min_(step_sizes, 1e-3)
             # the step counts live on the host, so the bias corrections are plain floats
             torch._foreach_mul_(step_sizes, [lr * math.sqrt(1 - beta2 ** s["step"]) / (1 - beta1 ** s["step"])
                                              for s in states])
 
+            # the elementwise lines run on this rank's slices (the whole tensors outside FSDP)
+            slices, grads, exp_avgs, exp_avg_sqs = local(params), local(grads), local(exp_avgs), local(exp_avg_sqs)
             torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
@@ -69,20 +100,20 @@ class AdamWScale(torch.optim.Optimizer):
                 for p in params:
                     if p not in self.scratch:
                         self.scratch[p] = torch.empty_like(p)
-                denoms = [self.scratch[p] for p in params]
+                denoms = local([self.scratch[p] for p in params])
                 torch._foreach_copy_(denoms, exp_avg_sqs)
                 torch._foreach_sqrt_(denoms)
                 torch._foreach_add_(denoms, eps)
                 # and reading the step sizes costs nothing, so they go in as per-tensor scalars
-                torch._foreach_addcdiv_(params, exp_avgs, denoms, torch.stack(step_sizes).neg_())
+                torch._foreach_addcdiv_(slices, exp_avgs, denoms, torch.stack(step_sizes).neg_())
             else:
                 denoms = torch._foreach_sqrt(exp_avg_sqs)  # the caching allocator makes this buffer free on a GPU
                 torch._foreach_add_(denoms, eps)
                 # reading the step sizes from a GPU would make the host wait for it; one more pass divides them in
                 torch._foreach_div_(denoms, step_sizes)
-                torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-1.0)
+                torch._foreach_addcdiv_(slices, exp_avgs, denoms, value=-1.0)
             if weight_decay > 0:
-                torch._foreach_mul_(params, 1 - lr * weight_decay)
+                torch._foreach_mul_(slices, 1 - lr * weight_decay)
         return loss
 
 
@@ -100,6 +131,8 @@ class Adafactor(torch.optim.Optimizer):
     the relative step min(lr, 1/sqrt(t)), so lr caps the step instead of setting it (a cosine schedule's 2e-2 would
     be cut to 1/sqrt(t) after step 2,500); it clamps V at eps1^2 instead of adding eps1 to g^2; and it scales weight
     decay by lr instead of by the RMS-scaled step.
+    Under FSDP p is a DTensor sliced along dim 0, and the lines above run as DTensor ops, which sum over the ranks
+    where the whole tensor is needed: the column means, the mean of R, RMS(u) and RMS(p); the row means are local.
     """
 
     def __init__(self, params, lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.0):
@@ -122,8 +155,8 @@ class Adafactor(torch.optim.Optimizer):
                 if not state:
                     state["step"] = 0
                     if factored:
-                        state["exp_avg_sq_row"] = g.new_zeros(g.shape[:-1])
-                        state["exp_avg_sq_col"] = g.new_zeros(g.shape[:-2] + g.shape[-1:])
+                        state["exp_avg_sq_row"] = zeros_like_mean(g, -1)  # (..., rows)
+                        state["exp_avg_sq_col"] = zeros_like_mean(g, -2)  # (..., cols)
                     else:
                         state["exp_avg_sq"] = torch.zeros_like(g)
                 state["step"] += 1
@@ -217,7 +250,7 @@ def train_step(model, optimizer, get_batch, grad_accum_steps=1, lr=None, grad_cl
     """
     One optimizer step over grad_accum_steps micro-batches; get_batch(micro_step) -> (input_ids, labels,
     attention_mask or None). Returns the mean cross-entropy and the gradient norm before clipping, as tensors left on
-    the device so that the caller decides when to pay for a sync.
+    the device so that the caller decides when to pay for a sync. ddp: the model is wrapped in DDP or sharded by FSDP.
     """
     if lr is not None:
         for group in optimizer.param_groups:
@@ -226,8 +259,9 @@ def train_step(model, optimizer, get_batch, grad_accum_steps=1, lr=None, grad_cl
     for micro_step in range(grad_accum_steps):
         input_ids, labels, attention_mask = get_batch(micro_step)
         if ddp:
-            # all-reduce the gradients once, after the last micro-batch has added its share (nanoGPT's trick)
-            model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+            # all-reduce (DDP) or reduce-scatter (FSDP) the gradients once, after the last micro-batch has added its
+            # share (nanoGPT's trick)
+            set_gradient_sync(model, micro_step == grad_accum_steps - 1)
         with autocast():
             logits, loss = model(input_ids, labels=labels, attention_mask=attention_mask)
             objective = loss
@@ -240,6 +274,8 @@ def train_step(model, optimizer, get_batch, grad_accum_steps=1, lr=None, grad_cl
         (objective / grad_accum_steps).backward()
         total_loss = total_loss + loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()  # under FSDP the norm of all ranks' slices, already summed over them
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total_loss / grad_accum_steps, grad_norm

@@ -1,20 +1,31 @@
 """
 The runtime that train.py, finetune.py, bench.py and prepare.py share, one copy of each piece: files written
-atomically, print0, the device/dtype/DDP set-up and the GPUs' peak FLOP/s, the log, stop signals, the claim on a run's
-out_dir and the resume check, and the checkpoint files with the one save-and-stop pattern of the training loops. The
-optimizers are in optim.py, the model in model.py.
+atomically, print0, the device/dtype/DDP set-up and the GPUs' peak FLOP/s, the model's DDP or FSDP wrapping, the log,
+stop signals, the claim on a run's out_dir and the resume check, and the checkpoint files (one file, or a directory of
+shards) with the one save-and-stop pattern of the training loops. The optimizers are in optim.py, the model in
+model.py.
 """
 import contextlib
 import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 # the one error class for bad input (configurator.py prints it as one `error:` line). model.py owns it, so that
 # model.py can be copied alone; the other scripts import it from here.
@@ -265,6 +276,103 @@ def raw_model(model):
     return getattr(model, "_orig_mod", model)
 
 
+# -----------------------------------------------------------------------------------------------------------------
+# the model as it trains: one process, DDP, or FSDP
+
+def shard_model(model, rt):
+    """
+    FSDP2 on the T5 in place: each rank keeps a 1/world_size slice (along dim 0) of every weight, its gradient and
+    its optimizer state, and a group of weights is all-gathered just before the module that uses it runs and freed
+    after, so that only one block is ever whole. Each encoder block is one group, each decoder block one group, and
+    the whole model is the group of what is left (embedding, lm_head, final norms), whole from the forward pass to
+    the end of the backward. The groups follow model.py's data flow, which reads weights outside the module that owns
+    them in two places, where FSDP could not gather them in time:
+      - a stack turns its first layer's relative-attention table into the position bias of every layer before that
+        layer runs: the two tables are groups of their own, gathered when the stack calls them;
+      - T5.forward projects the encoder output into every layer's cross-attention keys and values at once
+        (Decoder.encoder_kv, one matmul over all layers' k and v weights) before the first decoder block runs: those
+        k and v weights stay in the whole model's group (for xxl 0.8B parameters, 3.2 GB in fp32 on every rank
+        during the step; projecting inside each block would let them be sharded like the rest).
+    Under bf16 the blocks are gathered in bf16, the dtype autocast casts their weights to for the matmuls anyway
+    (half the all-gather traffic and memory); weights, gradient reductions and optimizer state stay fp32. Autocast
+    still runs the forward: model.py's RMSNorm returns fp32, which a bf16 matmul would refuse without it. The
+    embedding and the rest of the whole model's group stay fp32, so the residual stream is fp32 as under DDP.
+    """
+    mesh = init_device_mesh(rt.device_type, (rt.world_size,))
+    blocks_policy = MixedPrecisionPolicy()
+    if rt.dtype == "bfloat16":
+        # cast_forward_inputs=False: a block's input is the fp32 residual stream, which must stay fp32
+        blocks_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                             cast_forward_inputs=False)
+    for name, module in model.named_modules():
+        if name.endswith("relative_attention_bias"):
+            fully_shard(module, mesh=mesh)
+    for block in model.encoder.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=blocks_policy)
+    for block in model.decoder.blocks:
+        # one group of the block's modules, without the cross-attention k and v (see above)
+        modules = [m for name, m in block.named_children() if name != "cross_attn"]
+        fully_shard(modules + [block.cross_attn.q, block.cross_attn.o], mesh=mesh, mp_policy=blocks_policy)
+    fully_shard(model, mesh=mesh)
+
+
+def check_fsdp(fsdp):
+    """configurator.py's rule for the fsdp key: sharding needs the ranks torchrun starts"""
+    if fsdp and "RANK" not in os.environ:
+        raise UserError("fsdp=True shards the model over the ranks torchrun starts: launch with "
+                        "torchrun --nproc_per_node=N, or leave fsdp off for one process")
+
+
+def wrap_model(model, rt, fsdp=False, compile=False, dynamic=None):
+    """
+    The model as the training loop calls it: moved to the device, FSDP-sharded (fsdp=True, under torchrun),
+    compiled (dynamic is torch.compile's), and wrapped in DDP when torchrun started several ranks without fsdp.
+    Parameters are not the same objects after sharding: make the optimizer from raw_model(the result).
+    """
+    if fsdp:
+        shard_model(model, rt)  # built on the host, each rank moves only its own slices to the device
+    else:
+        model.to(rt.device)
+    if compile:
+        model = torch.compile(model, dynamic=dynamic)
+    if rt.ddp and not fsdp:
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
+    return model
+
+
+def set_gradient_sync(model, sync):
+    """Whether the next backward pass all-reduces (DDP) or reduce-scatters (FSDP) the gradients: off on all but the
+    last micro-step of gradient accumulation, so that a step communicates once (nanoGPT's trick)"""
+    if isinstance(model, DDP):
+        model.require_backward_grad_sync = sync
+    elif isinstance(raw_model(model), FSDPModule):
+        raw_model(model).set_requires_gradient_sync(sync)
+
+
+def local_bytes(tensors):
+    """the bytes of these tensors held by this rank: of a DTensor (an FSDP-sharded tensor), only this rank's slice"""
+    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
+
+
+def state_bytes(model, optimizer):
+    """bytes of parameters and optimizer state on this rank, the memory that FSDP divides by the number of ranks"""
+    optimizer_state = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return local_bytes(raw_model(model).parameters()) + local_bytes(optimizer_state)
+
+
+def unsharded_copy(model):
+    """A plain copy of the whole FSDP-sharded T5 on every rank, for generate(), which reads weights outside the
+    forward calls where FSDP gathers them. Inference holds 2-4 bytes per parameter, not training's 16, so the whole
+    model fits where its training did not."""
+    from model import T5
+    t5 = raw_model(model)
+    state = {name: t.full_tensor() for name, t in t5.state_dict().items()}
+    with torch.device("meta"):  # no weights made only to be overwritten
+        copy = T5(t5.config)
+    copy.load_state_dict(state, assign=True)
+    return copy.train(t5.training)
+
+
 class Logger:
     """
     Appends one JSON object per event to out_dir/log.jsonl (rank 0 only), mirrored to wandb when enabled. A resumed
@@ -344,10 +452,11 @@ def claim_out_dir(out_dir, rt, fresh):
 
 
 def _claim(out_dir, fresh):
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    if fresh and os.path.exists(ckpt_path):
-        return (f"{ckpt_path} exists and this run would replace it: pass --init_from=resume to continue that run, or "
-                f"another --out_dir to start a new one"), None
+    # a checkpoint of either form: one file, or (FSDP) a directory of shards, or what a kill mid-commit_dir left of it
+    found = [p for p in ("ckpt.pt", "ckpt", "ckpt.old") if os.path.exists(os.path.join(out_dir, p))]
+    if fresh and found:
+        return (f"{os.path.join(out_dir, found[0])} exists and this run would replace it: pass --init_from=resume to "
+                f"continue that run, or another --out_dir to start a new one"), None
     if not fresh and not os.path.isdir(out_dir):
         return None, None
     path = os.path.join(out_dir, "lock")
@@ -394,15 +503,101 @@ def check_resume(ckpt, path, config, meta, fixed):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# checkpoint files and the save-and-stop pattern
+# checkpoint files, one (ckpt.pt, from rank 0) or, under FSDP, a directory of shards that every rank writes, and the
+# save-and-stop pattern
+
+def is_sharded(path):
+    """a checkpoint path not ending in .pt names a directory of shards"""
+    return not path.endswith(".pt")
+
+
+def rank():
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def barrier():
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def commit_dir(tmp, path):
+    """Put the finished directory tmp in the place of path. A directory cannot be swapped in one rename, so the old
+    one steps aside to path.old first: at every moment path, or else path.old, holds a complete checkpoint."""
+    old = path + ".old"
+    if os.path.isdir(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def finished_dir(path):
+    """where the last complete sharded checkpoint of path is: path, or path.old when a run died between the two
+    renames of commit_dir"""
+    return path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
+
 
 def save_checkpoint(path, state):
-    with atomic_write(path) as f:
-        torch.save(state, f)
+    """
+    A .pt path: torch.save into one file, atomically (rank 0 calls this). A directory (every rank calls this): the
+    model and optimizer tensors go through torch.distributed.checkpoint, each rank writing its own shards, and
+    everything else into state.pt. The directory is written as path.tmp and renamed once every rank is done, so a
+    run killed mid-save leaves the previous checkpoint, never half a new one.
+    """
+    if not is_sharded(path):
+        with atomic_write(path) as f:
+            torch.save(state, f)
+        return
+    tmp = path + ".tmp"
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+    barrier()
+    try:
+        dcp.save({"model": state["model"], "optimizer": state["optimizer"]}, checkpoint_id=tmp)
+    except CheckpointException as e:  # every rank gets every rank's failures; a full disk is one line, as above
+        failure = next(exc for exc, _ in e.failures.values())
+        if isinstance(failure, OSError) and failure.errno in WRITE_ERRNOS:
+            raise write_error(path, failure) from None
+        raise
+    if rank() == 0:  # dcp.save returns once every rank has written its shards and rank 0 the index (.metadata)
+        with atomic_write(os.path.join(tmp, "state.pt")) as f:
+            torch.save({k: v for k, v in state.items() if k not in ("model", "optimizer")}, f)
+        commit_dir(tmp, path)
+    barrier()
 
 
 def load_checkpoint(path, map_location="cpu"):
+    """
+    The checkpoint at path as one dict, in one process. From a directory of shards: the whole model (every rank's
+    shards read back into plain tensors, as T5.from_checkpoint and save_pretrained take them) and the rest, without
+    the optimizer state, which restore_state reads shard by shard; "shards" names the directory.
+    """
+    if is_sharded(path):
+        path = finished_dir(path)
+        if not os.path.isfile(os.path.join(path, "state.pt")):
+            if os.path.isfile(path + ".pt"):
+                raise UserError(f"no sharded checkpoint in {path}, but {path}.pt is one written without FSDP: leave "
+                                f"fsdp off to read it")
+            raise UserError(f"no sharded checkpoint in {path}; check the path, or train one first with train.py "
+                            f"--fsdp=True")
+        try:
+            state = torch.load(os.path.join(path, "state.pt"), map_location=map_location, weights_only=False)
+            tensors = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            model = {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
+                     for key, md in tensors.items() if key.startswith("model.") and
+                     isinstance(md, TensorStorageMetadata)}
+            # no_dist: each caller reads the whole model on its own, under torchrun too (as dcp warns it assumes)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({"model": model}, checkpoint_id=path, no_dist=True)
+        except (Exception, CheckpointException) as e:  # the latter is no Exception
+            raise UserError(f"sharded checkpoint {path} is corrupt or unreadable ({type(e).__name__}); delete it or "
+                            f"use another")
+        return dict(state, model=model, shards=path)
     if not os.path.isfile(path):
+        if os.path.isdir(finished_dir(path.removesuffix(".pt"))):
+            raise UserError(f"no checkpoint at {path}, but {path.removesuffix('.pt')} holds the shards of an FSDP run:"
+                            f" pass --fsdp=True (under torchrun) to read it")
         raise UserError(f"no checkpoint at {path}; check the path, or train one first with train.py")
     try:
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -411,19 +606,41 @@ def load_checkpoint(path, map_location="cpu"):
 
 
 def checkpoint_state(model, optimizer, step, elapsed, config, meta=None):
-    """everything a run needs to continue exactly where it stopped"""
+    """everything a run needs to continue exactly where it stopped. Under FSDP every rank calls this: the model and
+    optimizer tensors are this rank's shards (DTensors, keyed by parameter name), the RNG is every rank's."""
     t5 = raw_model(model)
+    sharded = isinstance(t5, FSDPModule)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    return {"model": t5.state_dict(), "model_config": asdict(t5.config), "optimizer": optimizer.state_dict(),
+    if sharded:
+        rngs = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(rngs, rng)
+        rng = rngs
+    return {"model": t5.state_dict(), "model_config": asdict(t5.config),
+            "optimizer": get_optimizer_state_dict(t5, optimizer) if sharded else optimizer.state_dict(),
             "step": step, "elapsed": elapsed, "config": config, "meta": meta, "rng": rng}
 
 
 def restore_rng(state):
-    torch.set_rng_state(state["rng"]["torch"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    # a sharded checkpoint holds one RNG state per rank; with more ranks than it was written by, they repeat
+    rng = state["rng"][rank() % len(state["rng"])] if isinstance(state["rng"], list) else state["rng"]
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def restore_state(ckpt, model, optimizer):
+    """A resumed run's optimizer state and RNG. From a directory of shards, every rank reads the slices of the
+    optimizer state it now holds, for any number of ranks (torch.distributed.checkpoint reshards)."""
+    if "shards" in ckpt:
+        t5 = raw_model(model)
+        state = {"optimizer": get_optimizer_state_dict(t5, optimizer)}  # the layout, to be filled from the files
+        dcp.load(state, checkpoint_id=ckpt["shards"])
+        set_optimizer_state_dict(t5, optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    restore_rng(ckpt)
 
 
 class Checkpointer:
@@ -449,7 +666,8 @@ class Checkpointer:
         checkpoints.finish(step)  # writes the last step's checkpoint unless just written, gives the signals back
 
     The clock counts training seconds on rank 0, summed over resumes; evaluation and checkpoint writes, timed with
-    paused(), don't count. make_state(elapsed) returns what to save; it runs on rank 0 only.
+    paused(), don't count. make_state(elapsed) returns what to save; it runs on rank 0 only, or on every rank for a
+    directory of shards (FSDP), which every rank writes.
     """
 
     def __init__(self, path, interval, sync_interval, max_steps, rt, make_state, step, elapsed=0.0, budget_s=0.0):
@@ -514,7 +732,7 @@ class Checkpointer:
     def save(self, step):
         if self.synced_step != step:
             raise RuntimeError(f"checkpoint of step {step} written without the sync point that checks it for NaN")
-        if self.rt.master:
+        if self.rt.master or is_sharded(self.path):
             with self.paused():
                 save_checkpoint(self.path, self.make_state(self.elapsed))
         self.saved_step = step

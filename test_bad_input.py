@@ -35,8 +35,9 @@ PREPARE = ["prepare.py", "--dataset={corpus}", "--tokenizer=train", "--vocab_siz
 BENCH = ["bench.py", *SYSTEM, "--model=t5-tiny", "--input_length=32", "--steps=1", "--burn_in=0"]
 
 # (name, command, words the error line must contain). In commands, {tmp} is the case's own empty folder, and each
-# case gets its own copy of {run} (a train.py run with a checkpoint), {ftrun} (a finetune.py run with one) and
-# {prepared} (a prepared folder); the others are shared: {data} the prepared folder, {short}, {noval} and {other}
+# case gets its own copy of {run} (a train.py run with a checkpoint), {ftrun} (a finetune.py run with one),
+# {sharded} (a train.py --fsdp=True run, its checkpoint a directory) and {prepared} (a prepared folder); the others
+# are shared: {data} the prepared folder, {short}, {noval} and {other}
 # damaged copies of it, {locked} a run another process holds, {ckpt} a checkpoint to fine-tune, {sni} an SNI clone,
 # {corpus} the text it was prepared from, {bad} bad files.
 CASES = [
@@ -62,6 +63,8 @@ CASES = [
     ("finetune lr", [*FINETUNE, "--lr=0.0"], "'lr' is 0.0; it must be > 0"),
     ("finetune max_input_length", [*FINETUNE, "--max_input_length=0"], "'max_input_length' is 0"),
     ("finetune batch split", [*FINETUNE, "--batch_size=3", "--grad_accum_steps=2"], "must split evenly"),
+    ("train fsdp without torchrun", [*TRAIN, "--fsdp=True"], "fsdp=True shards the model over the ranks torchrun"),
+    ("finetune fsdp without torchrun", [*FINETUNE, "--fsdp=True"], "launch with torchrun --nproc_per_node=N"),
     ("prepare shard_tokens 0 (hung)", [*PREPARE, "--shard_tokens=0"], "'shard_tokens' is 0; it must be > 0"),
     ("prepare num_proc", [*PREPARE, "--num_proc=0"], "'num_proc' is 0; it must be > 0"),
     ("prepare max_train_tokens", [*PREPARE, "--max_train_tokens=-5"], "'max_train_tokens' is -5; it must be >= 0"),
@@ -77,6 +80,8 @@ CASES = [
     # 2. an out_dir is never clobbered, and two runs never write one
     ("train scratch over a checkpoint", [*TRAIN, "--init_from=scratch"], "pass --init_from=resume"),
     ("finetune over a checkpoint", [*FINETUNE, "--init_from={ckpt}"], "pass --init_from=resume"),
+    ("train scratch over a sharded checkpoint", [*TRAIN, "--out_dir={sharded}", "--init_from=scratch"],
+     "sharded/ckpt exists and this run would replace it"),
     ("train out_dir in use", [*TRAIN, "--out_dir={locked}"], "is writing"),
     ("finetune out_dir in use", [*FINETUNE, "--out_dir={locked}", "--optimizer=adamwscale"], "is writing"),
     ("train out_dir not writable", [*TRAIN, "--init_from=scratch", "--out_dir={bad}/latin1.txt/out"],
@@ -94,6 +99,7 @@ CASES = [
     ("train resume, other optimizer", [*TRAIN, "--optimizer=adafactor"], "optimizer 'adamwscale' -> 'adafactor'"),
     ("train resume, other data", [*TRAIN, "--data_dir={other}"], "data.max_val_tokens 10000000 -> 5000"),
     ("finetune resume, other optimizer", [*FINETUNE, "--optimizer=adafactor"], "optimizer 'adamw' -> 'adafactor'"),
+    ("train resume of an FSDP run without fsdp", [*TRAIN, "--out_dir={sharded}"], "holds the shards of an FSDP run"),
     # 5. every file error is a message
     ("prepare not UTF-8", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/latin1.txt"],
      "latin1.txt: 'utf-8' codec can't decode"),
@@ -111,7 +117,7 @@ CASES = [
     ("train HF folder without config.json", [*TRAIN, "--out_dir={tmp}/out", "--init_from={bad}/hf"],
      "config.json: No such file"),
 ]
-OWN_COPIES = ("run", "ftrun", "prepared")
+OWN_COPIES = ("run", "ftrun", "prepared", "sharded")
 
 WORDS = ("the of and to in is was for on that with as by at from his her which an were are this be had not river city "
          "music history government science church army school village species family film league season album "
@@ -143,7 +149,8 @@ def write_sni(root, seed=0):
 
 
 def tiny_checkpoint(path, meta, config, optimizer):
-    """a checkpoint in train.py's format of a very small T5: cases stop before its weights matter"""
+    """a checkpoint in train.py's format of a very small T5 (at a path not ending in .pt, a directory of shards, as
+    --fsdp=True writes): cases stop before its weights matter"""
     t5 = T5(T5Config(vocab_size=meta["model_vocab_size"], d_model=32, d_kv=8, d_ff=64, num_layers=1,
                      num_decoder_layers=1, num_heads=2))
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -177,6 +184,7 @@ def places(tmp_path_factory):
     run_config = {"model": "t5-tiny", "dropout": 0.0, "lr": 1e-2}
     tiny_checkpoint(str(root / "run" / "ckpt.pt"), meta, run_config, "adamwscale")
     tiny_checkpoint(str(root / "ftrun" / "ckpt.pt"), meta, {}, "adamw")
+    tiny_checkpoint(str(root / "sharded" / "ckpt"), meta, run_config, "adamwscale")
     tiny_checkpoint(str(root / "pretrained" / "ckpt.pt"), meta, {}, "adamwscale")
     shutil.copytree(root / "run", root / "locked")
     write_sni(root / "sni")
@@ -194,7 +202,8 @@ def places(tmp_path_factory):
     (bad / "sni" / "splits" / "default" / "test_tasks.txt").write_bytes(b"task\xe9\n")
     (bad / "hf").mkdir()
     (bad / "hf" / "model.safetensors").write_bytes(b"")
-    return dict(corpus=corpus, data=data, run=str(root / "run"), ftrun=str(root / "ftrun"), prepared=data,
+    return dict(corpus=corpus, data=data, run=str(root / "run"), ftrun=str(root / "ftrun"),
+                sharded=str(root / "sharded"), prepared=data,
                 sni=str(root / "sni"), ckpt=str(root / "pretrained" / "ckpt.pt"), locked=str(root / "locked"),
                 bad=str(bad), short=copy_data(data, root / "short", cut_shard),
                 noval=copy_data(data, root / "noval", lambda folder: os.remove(folder / "val.bin")),
@@ -203,8 +212,8 @@ def places(tmp_path_factory):
 
 def snapshot(folders):
     """the bytes of every checkpoint, shard, tokenizer and meta.json in the folders"""
-    files = [p for folder in folders for pattern in ("ckpt.pt", "*.bin", "tokenizer.model", "meta.json")
-             for p in glob.glob(os.path.join(folder, pattern))]
+    patterns = ("ckpt.pt", "ckpt/*", "ckpt/.metadata", "*.bin", "tokenizer.model", "meta.json")
+    files = [p for folder in folders for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))]
     return {p: open(p, "rb").read() for p in files}
 
 

@@ -4,6 +4,8 @@ One GPU:
     python train.py config/t5_base.py
 Eight GPUs on one node (same global batch, same data, ~8x faster):
     torchrun --standalone --nproc_per_node=8 train.py config/t5_base.py
+A model whose weights, gradients and optimizer state outgrow one GPU (xl, xxl), sharded over the GPUs with FSDP:
+    torchrun --standalone --nproc_per_node=8 train.py config/t5_base.py --model=t5-v1_1-xl --fsdp=True
 The CPU demo, which prepares its own data on first use:
     python train.py config/t5_tiny.py
 """
@@ -11,15 +13,14 @@ import os
 import time
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import T5, T5Config
 from optim import LR_SCHEDULES, check_optimizer, get_lr, make_optimizer, param_groups, train_step
 from prepare import (MAX_VOCAB_SIZE, Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta,
                      load_tokenizer, prepare, show_fill)
-from runtime import (DTYPES, Checkpointer, Logger, check_device, check_resume, checkpoint_state, claim_out_dir,
-                     flops_per_step, load_checkpoint, memory_report, mfu, print0, raw_model, restore_rng,
-                     setup_runtime)
+from runtime import (DTYPES, Checkpointer, Logger, check_device, check_fsdp, check_resume, checkpoint_state,
+                     claim_out_dir, flops_per_step, load_checkpoint, memory_report, mfu, print0, raw_model,
+                     restore_state, setup_runtime, state_bytes, unsharded_copy, wrap_model)
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override any of these. Below each
@@ -28,7 +29,7 @@ valid = {}
 # paths and run
 out_dir = "out"
 data_dir = "data/c4"
-init_from = "scratch"  # 'scratch', 'resume' (from out_dir/ckpt.pt), or an HF name or folder to continue from
+init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt; out_dir/ckpt/ under fsdp), or an HF name or folder
 valid.update(out_dir="non-empty", data_dir="non-empty", init_from="non-empty")
 # how data_dir was made; an offline dataset (pydoc) is prepared automatically on first use
 dataset = "c4"
@@ -74,13 +75,14 @@ valid.update(eval_interval="> 0", eval_steps="> 0", log_interval="> 0", checkpoi
 device = "auto"  # cuda > mps > cpu
 dtype = "bfloat16"
 compile = True
+fsdp = False  # under torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP
 seed = 1337
 peak_flops = 0.0  # dense peak FLOP/s of one GPU, for MFU; 0 -> runtime.PEAK_FLOPS, which knows common GPUs
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "t5"
-valid.update(device=check_device, dtype=DTYPES, compile="any", seed=">= 0", peak_flops=">= 0", wandb_log="any",
-             wandb_project="non-empty", wandb_run_name="any")
+valid.update(device=check_device, dtype=DTYPES, compile="any", fsdp=check_fsdp, seed=">= 0", peak_flops=">= 0",
+             wandb_log="any", wandb_project="non-empty", wandb_run_name="any")
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # -----------------------------------------------------------------------------------------------------------------
 
@@ -103,7 +105,7 @@ meta = load_meta(data_dir)
 out_dir_lock = claim_out_dir(out_dir, rt, fresh=init_from != "resume")  # held while the process lives
 
 # the model: from scratch, from our own checkpoint, or from released Hugging Face weights
-ckpt_path = os.path.join(out_dir, "ckpt.pt")
+ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a directory, each rank writes its shards
 ckpt = load_checkpoint(ckpt_path) if init_from == "resume" else None
 if ckpt is not None:
     check_resume(ckpt, ckpt_path, config, meta, fixed=("model", "dropout", "optimizer"))
@@ -113,19 +115,14 @@ elif init_from == "scratch":
 else:
     t5 = T5.from_pretrained(init_from, dropout=dropout)  # HF configs say 0.1, the fine-tuning value
 print0(f"{t5.num_params() / 1e6:.1f}M parameters")
-t5.to(rt.device)
-opt = make_optimizer(optimizer, param_groups(t5, weight_decay), lr)
+step_flops = flops_per_step(t5, batch_size, input_length, targets_length)
+t5 = wrap_model(t5, rt, fsdp, compile)  # on the device; sharded (fsdp), compiled, DDP-wrapped as configured
+opt = make_optimizer(optimizer, param_groups(raw_model(t5), weight_decay), lr)
 if ckpt is not None:
-    opt.load_state_dict(ckpt["optimizer"])
-    restore_rng(ckpt)
+    restore_state(ckpt, t5, opt)  # the optimizer state and the RNG
 step = ckpt["step"] if ckpt is not None else 0  # optimizer steps done
 elapsed = ckpt["elapsed"] if ckpt is not None else 0.0  # training seconds, summed over resumes for the time budget
-step_flops = flops_per_step(t5, batch_size, input_length, targets_length)
 ckpt = None  # free the checkpoint's copy of the weights
-if compile:
-    t5 = torch.compile(t5)
-if rt.ddp:
-    t5 = DDP(t5, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
 
 data_args = (batch_size, input_length, noise_density, mean_noise_span_length, seed, raw_model(t5).config.vocab_size)
 train_data = SpanCorruptionBatches(data_dir, "train", *data_args)
@@ -156,7 +153,9 @@ def evaluate():
     if rt.ddp:
         torch.distributed.all_reduce(totals)  # gloo has no AVG: sum, then divide by the ranks too
     with rt.autocast():  # the same greedy decoding as generate() everywhere else; every rank runs it, rank 0 shows it
-        fills = raw_model(t5).generate(demo_inputs, max_new_tokens=demo_labels.size(1))
+        # generate() reads weights outside the forward calls where FSDP gathers them: it runs on a whole copy
+        generator = unsharded_copy(t5) if fsdp else raw_model(t5)
+        fills = generator.generate(demo_inputs, max_new_tokens=demo_labels.size(1))
     t5.train()
     examples = [show_fill(tok, *ids) for ids in zip(demo_inputs.cpu(), fills.cpu(), demo_labels.cpu())]
     val_loss, val_acc = (totals / (eval_steps * grad_accum_steps * rt.world_size)).tolist()
@@ -179,8 +178,10 @@ while step < max_steps and not checkpoints.stop:
                                  rt.autocast, rt.ddp)
     step += 1
     steps_since_log += 1
-    if step == start_step + 1 and rt.device_type == "cuda":
-        print0(memory_report(rt.device))
+    if step == start_step + 1:  # the optimizer state exists from the first step on; under FSDP each rank holds a slice
+        print0(f"parameters + optimizer state: {state_bytes(t5, opt) / 2**20:.2f} MiB on rank 0")
+        if rt.device_type == "cuda":
+            print0(memory_report(rt.device))
 
     if checkpoints.agree(step, loss, grad_norm):  # every log_interval steps, and every checkpoint step
         dt = (time.time() - t_log) / steps_since_log
