@@ -257,22 +257,23 @@ class Prefetcher:
         self.pool.shutdown(cancel_futures=True)
 
 
+def shown_length(tok, ids, num_spans=3):
+    """How many of ids (a fill or a true fill) hold their first num_spans spans: up to the next sentinel or EOS."""
+    ends = [i for i, token in enumerate(ids) if token in (tok.eos_id, tok.first_sentinel_id - num_spans)]
+    return ends[0] if ends else len(ids)
+
+
 def show_fill(tok, inputs, fill, truth, num_spans=3, context=6):
     """What an evaluation prints of one span-corrupted example: the corrupted input around its first num_spans
     sentinels (context tokens on each side, gaps shown as ...), and the model's fill and the true fill of those
-    sentinels. inputs, fill, truth: 1-D ids; fill and truth are cut at EOS, as the model's output ends there."""
+    sentinels. inputs, fill, truth: 1-D ids; fill and truth end at EOS, as the model's output does."""
     inputs, fill, truth = (np.asarray(ids).tolist() for ids in (inputs, fill, truth))
     shown = [i for i, token in enumerate(inputs) if tok.is_sentinel(token)][:num_spans]
     keep = sorted({j for i in shown for j in range(max(i - context, 0), min(i + context + 1, len(inputs)))})
     runs = np.split(np.array(keep), np.nonzero(np.diff(keep) > 1)[0] + 1) if keep else []  # runs of positions
     text = " ... ".join(tok.decode([inputs[j] for j in run]).strip() for run in runs)
-
-    def spans(ids):
-        ids = ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids
-        end = tok.first_sentinel_id - num_spans  # the first sentinel not shown
-        return tok.decode(ids[:ids.index(end)] if end in ids else ids).strip()
-    return {"input": ("... " if keep and keep[0] > 0 else "") + text + " ...", "model": spans(fill),
-            "truth": spans(truth)}
+    model, true = (tok.decode(ids[:shown_length(tok, ids, num_spans)]).strip() for ids in (fill, truth))
+    return {"input": ("... " if keep and keep[0] > 0 else "") + text + " ...", "model": model, "truth": true}
 
 
 def load_meta(data_dir):

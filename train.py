@@ -17,7 +17,7 @@ import torch
 from model import T5, T5Config
 from optim import LR_SCHEDULES, check_optimizer, get_lr, make_optimizer, param_groups, train_step
 from prepare import (MAX_VOCAB_SIZE, Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta,
-                     load_tokenizer, prepare, show_fill)
+                     load_tokenizer, prepare, show_fill, shown_length)
 from runtime import (DTYPES, Checkpointer, Logger, check_device, check_fsdp, check_resume, checkpoint_state,
                      claim_out_dir, flops_per_step, load_checkpoint, memory_report, mfu, print0, raw_model,
                      restore_state, setup_runtime, state_bytes, unsharded_copy, wrap_model)
@@ -133,6 +133,8 @@ train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank, rt.world_size,
 # of val.bin with the same noise, so that steps and runs compare
 demo_inputs, demo_labels = (t[:2] for t in val_data.get(0, device=rt.device))
 tok = load_tokenizer(meta)
+# the model may write as many tokens as the truth of the shown spans takes: decoding is most of the examples' cost
+demo_tokens = max(shown_length(tok, labels) for labels in demo_labels.tolist())
 logger = Logger(out_dir, rt.master, resume_step=step if init_from == "resume" else None, wandb_log=wandb_log,
                 wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
 peak = rt.peak_flops(peak_flops)
@@ -155,7 +157,7 @@ def evaluate():
     with rt.autocast():  # the same greedy decoding as generate() everywhere else; every rank runs it, rank 0 shows it
         # generate() reads weights outside the forward calls where FSDP gathers them: it runs on a whole copy
         generator = unsharded_copy(t5) if fsdp else raw_model(t5)
-        fills = generator.generate(demo_inputs, max_new_tokens=demo_labels.size(1))
+        fills = generator.generate(demo_inputs, max_new_tokens=demo_tokens)
     t5.train()
     examples = [show_fill(tok, *ids) for ids in zip(demo_inputs.cpu(), fills.cpu(), demo_labels.cpu())]
     val_loss, val_acc = (totals / (eval_steps * grad_accum_steps * rt.world_size)).tolist()
