@@ -42,6 +42,14 @@ def zeros_like_mean(t, dim):
     return torch.zeros_like(mean)
 
 
+def closure_loss(closure):
+    """torch.optim's contract for step(closure): re-evaluate the model with grad on, and return the loss"""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class AdamWScale(torch.optim.Optimizer):
     """
     nanoT5's AdamW: each tensor's Adam step is scaled by the tensor's RMS, like Adafactor's parameter scaling, so that
@@ -63,10 +71,7 @@ class AdamWScale(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -141,10 +146,7 @@ class Adafactor(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             eps1, eps2 = group["eps"]
             for p in group["params"]:
