@@ -1,4 +1,4 @@
-# The CPU demo: a tiny T5 learns Python's own documentation in about 4 minutes on 2 cores, no download needed.
+# The CPU demo: a tiny T5 learns Python's own documentation in 4-5 minutes on 2 cores, no download needed.
 # python train.py config/t5_tiny.py    (the first run prepares data/pydoc itself)
 out_dir = "out/t5_tiny"
 data_dir = "data/pydoc"
