@@ -8,8 +8,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 from model import T5
 from runtime import load_checkpoint
 from test_finetune import sni_dir  # noqa: F401 (a fixture)
-from test_train import REPO, TINY, data_dir, read_log, run  # noqa: F401 (data_dir is a fixture)
+from test_train import TINY, data_dir, read_log, run, start_until_step  # noqa: F401 (data_dir is a fixture)
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # 8 steps, a checkpoint at step 4 and at the end
@@ -96,13 +94,7 @@ def test_kill_and_resume_is_exact(runs, data_dir, tmp_path):  # noqa: F811
     straight = runs["adamwscale", "fsdp"][0]
     killed = str(tmp_path / "killed")
     args = [*TORCHRUN, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={killed}", "--fsdp=True"]
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = os.path.join(killed, "log.jsonl")
-    deadline = time.time() + 120
-    while proc.poll() is None and time.time() < deadline and not (
-            os.path.exists(log) and max(read_log(killed), default=0) >= 5):
-        time.sleep(0.02)
+    proc = start_until_step(args, killed, 5)
     kill_run(proc.pid)  # no chance to save: only the step-4 checkpoint survives
     proc.wait()
     time.sleep(1)  # a rank still alive would go on logging

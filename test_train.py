@@ -33,6 +33,18 @@ def read_log(out_dir):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def start_until_step(args, out_dir, step):
+    """a run started in the background (python args...), returned once out_dir's log reaches step, or it exited"""
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = os.path.join(out_dir, "log.jsonl")
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline and not (
+            os.path.exists(log) and max(read_log(out_dir), default=0) >= step):
+        time.sleep(0.02)
+    return proc
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """C4-shaped JSONL whose documents are drawn from a pool of 40 made-up sentences, so that a masked span can be
@@ -104,14 +116,7 @@ def test_kill_and_resume_is_exact(data_dir, tmp_path):
     assert run(["train.py", *args, f"--out_dir={straight}"]).returncode == 0
 
     killed = str(tmp_path / "killed")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "train.py", *args, f"--out_dir={killed}"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = os.path.join(killed, "log.jsonl")
-    deadline = time.time() + 120
-    while proc.poll() is None and time.time() < deadline and not (
-            os.path.exists(log) and max(read_log(killed), default=0) >= 23):
-        time.sleep(0.05)
+    proc = start_until_step(["train.py", *args, f"--out_dir={killed}"], killed, 23)
     proc.send_signal(signal.SIGKILL)  # no chance to save: only the step-20 checkpoint survives
     proc.wait()
     assert 23 <= max(read_log(killed)) < 30
