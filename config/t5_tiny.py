@@ -10,7 +10,7 @@ model = "t5-tiny"
 input_length = 128  # 141 raw tokens -> 128 input + 29 target tokens
 batch_size = 16  # 16 * (128 + 29) = 2,512 tokens/step
 max_steps = 600  # 600 * 16 * 141 = 1.35M raw tokens: about 2.5 passes over the corpus
-lr = 1e-2
+lr = 3e-2  # 1e-2 ends at val loss 4.81 instead of 4.66
 warmup_steps = 50
 min_lr = 1e-4
 
