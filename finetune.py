@@ -381,4 +381,7 @@ if __name__ == "__main__":
         evaluate()
 
     if rt.ddp:
+        # rank 0 may still be scoring and writing the predictions: the ranks leave together (a rank that tore down
+        # its process group while its peer still ran aborted once: "terminate called without an active exception")
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -369,7 +369,7 @@ def test_configurator_rejects_unknown_key_in_file(config_script, tmp_path):
 
 def test_resume_says_what_changed(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2", "--eval_interval=1000"]
-    assert run(["train.py", *args]).returncode == 0
+    assert run(["train.py", *args, "--lr=0.01"]).returncode == 0
     r = run(["train.py", *args, "--init_from=resume", "--lr=0.02", "--log_interval=5"])
     assert r.returncode == 0, r.stderr
     assert f"resuming from {tmp_path}/ckpt.pt at step 2; changed on resume: lr 0.01 -> 0.02, log_interval 1 -> 5" \
