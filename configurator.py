@@ -1,31 +1,23 @@
 """
 Poor man's configurator, after nanoGPT. A script defines its config as module-level globals, then runs
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-which applies, in order, every config file named on the command line and every --key=value override:
+which applies every config file (Python assignments, `key = value`) and --key=value on the command line, in order:
     python train.py config/t5_tiny.py --batch_size=16 --compile=False
-Config files are plain Python assignments. Unlike nanoGPT, mistakes are caught here instead of silently
-creating a new global: an unknown key names the closest valid one, a value of the wrong type or a missing
-config file is refused, each with one line on stderr and exit code 2. Afterwards `config` holds every
-final value, for logging and checkpoints.
-
-A script declares each key's valid values below the group of defaults it belongs to, in a dict named `valid`:
-    batch_size = 128
-    lr_schedule = "cosine"
+Below each group of defaults, the script declares its keys' valid values in a dict named `valid`:
     valid.update(batch_size="> 0", lr_schedule=("cosine", "inverse_sqrt", "constant"))
-A rule is one of
-    "> 0", ">= 1", "< 1", "<= 1"   one comparison
-    "in (0, 1)", "in [0, 1)"       an interval; a square bracket includes its end, a round one excludes it
-    "non-empty", "any"             for strings (and "any" for bools and free text)
-    a tuple                        the allowed values
-    a function                     the owner of the name checks it, e.g. T5Config.from_preset for a model preset; it
-                                   raises UserError with its own message (exit code 1, as when the script calls it)
-and the final values are checked before the script does anything else: a violation is one line naming the key,
-its value and the rule, exit code 2. When a script has `valid`, every key must be in it.
+A rule is a comparison ("> 0"), an interval ("in [0, 1)": a square bracket includes its end), "non-empty", "any",
+"folder" (a path that is no file), a tuple of the allowed values, or a function that raises UserError. Every mistake
+(an unknown key, a wrong type, a number that is not finite, a file that is not Python assignments, a broken rule)
+stops the script before it does anything, with one line and exit code 2. Afterwards `config` holds every final
+value, and `given_at` each given key's position on the command line (of its config file or --key=value).
 """
 import ast as _ast
 import difflib as _difflib
+import math as _math
 import operator as _operator
+import os as _os
 import sys as _sys
+import time as _time
 
 
 def _config_error(msg):
@@ -34,19 +26,38 @@ def _config_error(msg):
 
 
 def _print_user_errors(exc_type, exc, tb, _default=_sys.excepthook):
-    # bad input (missing data, vocab mismatch, corrupt checkpoint...) is raised as model.UserError deep inside the
-    # libraries; the user needs its one-line message, not a traceback through torch. Python then exits with code 1.
-    # No sys.exit here: under torchrun, torch.distributed wraps this hook to prefix each line with the rank, and an
-    # exit from inside it would swallow the message.
+    # bad input (UserError), a file the OS could not read or write, and running out of memory reach the user as one
+    # line, exit code 1. No sys.exit here: torchrun wraps this hook to prefix each line, and an exit would swallow it
     if exc_type.__name__ == "UserError":
-        print(f"error: {exc}", file=_sys.stderr)
+        message = str(exc)
     elif issubclass(exc_type, OSError) and exc.strerror:
-        # a file or folder that could not be read or written (missing, no permission, disk full...) that no more
-        # specific message caught: its name and the operating system's reason say what to fix
         names = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
-        print(f"error: {names + ': ' if names else ''}{exc.strerror}", file=_sys.stderr)
+        message = f"{names + ': ' if names else ''}{exc.strerror}"
+    elif issubclass(exc_type, MemoryError) or exc_type.__name__ == "OutOfMemoryError" or (
+            issubclass(exc_type, RuntimeError) and "can't allocate memory" in str(exc)):  # torch on a CPU
+        message = (f"out of memory ({str(exc).strip().splitlines()[0][:120]}): lower batch_size, input_length or the "
+                   f"model, or raise grad_accum_steps (the same batch in smaller micro-batches)")
     else:
-        _default(exc_type, exc, tb)
+        return _default(exc_type, exc, tb)
+    print(f"error: {message}", file=_sys.stderr)
+    if _os.environ.get("TORCHELASTIC_RUN_ID") and _os.environ.get("RANK") == "0":
+        # torchrun prints its own failure report after the ranks have exited, so no rank can print last: a child, out
+        # of the rank's process group (which torchrun stops), waits for torchrun to end and says it once more
+        launcher = _os.getppid()
+        if _os.fork() == 0:
+            _os.setsid()
+            while _running(launcher):
+                _time.sleep(0.02)
+            _os.write(2, f"error: {message}\n".encode())
+            _os._exit(0)
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited, but not been reaped yet
+    except OSError:  # gone, or no /proc to tell
+        return False
 
 
 _sys.excepthook = _print_user_errors
@@ -54,14 +65,14 @@ _config_types = (int, float, bool, str, type(None))
 # config keys are the script's lower-case globals of these types; UPPER_CASE ones are constants
 _defaults = {k: v for k, v in globals().items()
              if not k.startswith("_") and not k.isupper() and isinstance(v, _config_types)}
+given_at = {}
 
 
-def _check(key, value, source):
+def _check(key, value, source, position):
     if key not in _defaults:
         close = _difflib.get_close_matches(key, _defaults, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        _config_error(f"unknown config key '{key}' in {source}{hint}")
-    default = _defaults[key]
+        _config_error(f"unknown config key '{key}' in {source}{f' (did you mean {close[0]!r}?)' if close else ''}")
+    given_at[key], default = position, _defaults[key]
     if default is None or type(value) is type(default):
         return value
     if isinstance(default, float) and type(value) is int:
@@ -71,41 +82,53 @@ def _check(key, value, source):
     _config_error(f"config key '{key}' in {source} must be {type(default).__name__}, got {value!r}")
 
 
-for _arg in _sys.argv[1:]:
+def _read_config_file(path):
+    """a config file's settings; one that is not Python assignments (YAML, JSON...) is refused"""
+    python = "config files are Python assignments (key = value), such as config/t5_tiny.py"
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        tree = _ast.parse(source, path)
+    except FileNotFoundError:
+        _config_error(f"config file '{path}' not found (pass a path such as config/t5_tiny.py)")
+    except OSError as e:
+        _config_error(f"config file '{path}' can't be read: {e.strerror}")
+    except (UnicodeDecodeError, SyntaxError, ValueError) as e:
+        kind = "UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"Python ({e})"
+        _config_error(f"config file '{path}' is not {kind}: {python}")
+    for node in tree.body:  # assignments, or a call such as exec(open("config/t5_base.py").read()), or a docstring
+        if not (isinstance(node, (_ast.Assign, _ast.AugAssign)) or isinstance(node, _ast.AnnAssign) and node.value or
+                isinstance(node, _ast.Expr) and isinstance(node.value, (_ast.Call, _ast.Constant))):
+            _config_error(f"config file '{path}' line {node.lineno} is not an assignment: {python}")
+    settings = {}
+    try:
+        exec(source, settings)
+    except Exception as e:
+        _config_error(f"config file '{path}' failed: {type(e).__name__}: {e}")
+    settings = {k: v for k, v in settings.items() if not k.startswith("_") and isinstance(v, _config_types)}
+    return settings or _config_error(f"config file '{path}' sets no config key: {python}")
+
+
+for _position, _arg in enumerate(_sys.argv[1:], 1):
     if not _arg.startswith("--"):
-        try:
-            with open(_arg, encoding="utf-8") as _f:
-                _source = _f.read()
-        except FileNotFoundError:
-            _config_error(f"config file '{_arg}' not found (pass a path such as config/t5_tiny.py)")
-        except OSError as _e:
-            _config_error(f"config file '{_arg}' can't be read: {_e.strerror}")
-        except UnicodeDecodeError:
-            _config_error(f"config file '{_arg}' is not UTF-8 text: pass a Python file such as config/t5_tiny.py")
-        _file_globals = {}
-        try:
-            exec(_source, _file_globals)
-        except Exception as _e:
-            _config_error(f"config file '{_arg}' failed: {type(_e).__name__}: {_e}")
-        for _key, _value in _file_globals.items():
-            if not _key.startswith("_") and isinstance(_value, _config_types):
-                globals()[_key] = _check(_key, _value, _arg)
-    else:
-        if "=" not in _arg:
-            _config_error(f"'{_arg}' needs a value: write --key=value")
-        _key, _value = _arg[2:].split("=", 1)
-        try:
-            _value = _ast.literal_eval(_value)
-        except (SyntaxError, ValueError):
-            pass  # a bare word such as --optimizer=adafactor stays a string
-        globals()[_key] = _check(_key, _value, f"--{_key}")
+        for _key, _value in _read_config_file(_arg).items():
+            globals()[_key] = _check(_key, _value, _arg, _position)
+        continue
+    if "=" not in _arg:
+        _config_error(f"'{_arg}' needs a value: write --key=value")
+    _key, _value = _arg[2:].split("=", 1)
+    try:
+        _value = _ast.literal_eval(_value)
+    except (SyntaxError, ValueError):
+        pass  # a bare word such as --optimizer=adafactor stays a string
+    globals()[_key] = _check(_key, _value, f"--{_key}", _position)
 
 
 def _satisfies(value, rule):
     if isinstance(rule, tuple):
         return value in rule
-    if rule in ("any", "non-empty"):
-        return rule == "any" or value != ""
+    if rule in ("any", "non-empty", "folder"):
+        return rule == "any" or value != "" and (rule == "non-empty" or not _os.path.isfile(value))
     op, bound = rule.split(" ", 1)
     if op == "in":  # "in (0, 1]": the brackets say whether each end belongs to the interval
         low, high = (_ast.literal_eval(end) for end in bound[1:-1].split(","))
@@ -121,13 +144,17 @@ def _check_valid(rules):
         raise RuntimeError(f"config keys without a rule in `valid`: {', '.join(missing)}")
     for key, rule in rules.items():
         value = globals()[key]
+        if isinstance(value, float) and not _math.isfinite(value):
+            _config_error(f"config key '{key}' is {value!r}; it must be a finite number")
+        if isinstance(value, int) and not -2**63 <= value < 2**63:  # what torch and numpy take as an integer
+            _config_error(f"config key '{key}' is {value}; it must be below 2**63")
         if callable(rule):
             rule(value)
         elif not _satisfies(value, rule):
             if isinstance(rule, tuple):
                 close = _difflib.get_close_matches(str(value), [str(choice) for choice in rule], n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                rule = "one of " + ", ".join(repr(choice) for choice in rule) + hint
+                rule = "one of " + ", ".join(map(repr, rule)) + (f" (did you mean {close[0]!r}?)" if close else "")
+            rule = ("non-empty" if value == "" else "a folder, not a file") if rule == "folder" else rule
             _config_error(f"config key '{key}' is {value!r}; it must be {rule}")
 
 

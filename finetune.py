@@ -1,18 +1,10 @@
 """
-Fine-tune a T5 on Super-Natural-Instructions (SNI) and report Rouge-L on its held-out test tasks: the downstream check
-of the nanoT5 paper, with Tk-Instruct's recipe (definition + 2 positive examples, at most 100 instances per task).
-Start from a train.py checkpoint or from any Hugging Face T5:
-
-$ git clone https://github.com/allenai/natural-instructions
-$ python finetune.py --init_from=out/ckpt.pt
-$ python finetune.py --init_from=google/t5-v1_1-base --out_dir=out-ft-base
-$ python finetune.py --init_from=out-finetune/ckpt.pt --eval_only=True --out_dir=out-eval
-$ python finetune.py --init_from=resume  # continue the run in out_dir after Ctrl-C
-
-With DDP on 4 GPUs of one node, or with the model sharded over them (FSDP, for xl and xxl; init_from may be a
-sharded train.py checkpoint, the directory out/ckpt):
-$ torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/ckpt.pt
-$ torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/ckpt --fsdp=True
+Fine-tunes a T5 on Super-Natural-Instructions (SNI) and reports Rouge-L on its held-out test tasks: the downstream
+check of the nanoT5 paper, with Tk-Instruct's recipe (definition + 2 positive examples, at most 100 instances per task).
+    git clone https://github.com/allenai/natural-instructions
+    python finetune.py --init_from=out/t5_base           # a train.py run (its out_dir, ckpt.pt or ckpt/), or an HF T5
+    python finetune.py --init_from=out/finetune --eval_only=True --out_dir=out/eval     # evaluate only
+    torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True  # DDP, or sharded with fsdp
 """
 import json
 import os
@@ -23,28 +15,29 @@ from functools import lru_cache
 from statistics import mean
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from model import T5
 from optim import check_optimizer, make_optimizer, param_groups, train_step
-from prepare import SentencePieceTokenizer, load_tokenizer, t5_spiece
-from runtime import (DTYPES, Checkpointer, Logger, UserError, atomic_write, check_device, check_fsdp, check_resume,
-                     checkpoint_state, claim_out_dir, finished_dir, load_checkpoint, print0, raw_model, restore_state,
-                     setup_runtime, unsharded_copy, wrap_model)
+from prepare import load_tokenizer
+from runtime import (CHECKPOINTS, DTYPES, Logger, Sync, UserError, atomic_write, check_device, check_fsdp,
+                     check_resume, checkpoint_state, claim_out_dir, load_checkpoint, load_model, micro_batch_size,
+                     print0, raw_model, restore_state, save_checkpoint, setup_runtime, unsharded_copy, wrap_model)
 
 # -----------------------------------------------------------------------------
-# default config values, those of nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data setup; below each
-# group, `valid` says what values its keys may take, which configurator.py checks before anything runs
+# default config: nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data setup; `valid` as in train.py
 valid = {}
 # I/O
 data_dir = "natural-instructions"  # a clone of allenai/natural-instructions
-init_from = "out/ckpt.pt"  # a train.py/finetune.py checkpoint (file, or FSDP directory), an HF T5 name/folder, 'resume'
-out_dir = "out-finetune"
+init_from = "out/ckpt.pt"  # a train.py/finetune.py checkpoint or run, an HF T5 name or folder, or 'resume'
+out_dir = "out/finetune"
 eval_only = False  # only evaluate init_from on the test tasks
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "finetune"
-valid.update(data_dir="non-empty", init_from="non-empty", out_dir="non-empty", eval_only="any", wandb_log="any",
+valid.update(data_dir="folder", init_from="non-empty", out_dir="folder", eval_only="any", wandb_log="any",
              wandb_project="non-empty", wandb_run_name="any")
 # data
 max_num_instances_per_task = 100
@@ -85,7 +78,7 @@ valid.update(device=check_device, dtype=DTYPES, compile="any", fsdp=check_fsdp, 
 
 
 def read_task(path):
-    """One SNI task file as a dict, or None when it is unreadable or a field is missing or of the wrong type."""
+    """One SNI task file as a dict, or None when it can't be read or a field is missing or of the wrong type."""
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -106,7 +99,8 @@ def read_task(path):
 
 
 def load_split(data_dir, split, max_num_instances_per_task, seed):
-    """SNI's default train or test split as dicts of task, id, definition, positives, input, references, target."""
+    """SNI's default train or test split as dicts of task, id, definition, positives, input, references, target;
+    task files that are missing or broken are skipped, and one warning names them."""
     split_file = os.path.join(data_dir, "splits", "default", f"{split}_tasks.txt")
     if not os.path.isfile(split_file):
         raise UserError(f"no SNI split file {split_file}: get the data with "
@@ -174,21 +168,14 @@ def tokenize_example(example, tokenizer, eos_id, max_input_length, max_target_le
     return dict(example, prompt=prompt, input_ids=input_ids, labels=labels)
 
 
-def pad(sequences, value, multiple=8):
-    """(B, T) right-padded sequences, T rounded up to a multiple of 8: fewer distinct shapes, tensor-core friendly."""
-    length = -(-max(len(s) for s in sequences) // multiple) * multiple
-    out = torch.full((len(sequences), length), value, dtype=torch.long)
-    for i, s in enumerate(sequences):
-        out[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-    return out
-
-
-def collate(examples, pad_id):
-    """(input_ids, labels, attention_mask): -100 on label padding so the loss ignores it."""
-    input_ids = pad([ex["input_ids"] for ex in examples], pad_id)
-    attention_mask = pad([[1] * len(ex["input_ids"]) for ex in examples], 0)
-    labels = pad([ex["labels"] for ex in examples], -100)
-    return input_ids, labels, attention_mask
+def collate(examples, pad_id, multiple=8):
+    """(input_ids, labels, attention_mask), right-padded to a multiple of 8 (fewer distinct shapes, tensor-core
+    friendly); labels are padded with -100, which the loss ignores."""
+    def pad(sequences, value):
+        padded = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=value)
+        return F.pad(padded, (0, -padded.size(1) % multiple), value=value)
+    return (pad([ex["input_ids"] for ex in examples], pad_id), pad([ex["labels"] for ex in examples], -100),
+            pad([[1] * len(ex["input_ids"]) for ex in examples], 0))
 
 
 @lru_cache(maxsize=1)
@@ -226,15 +213,6 @@ def compute_metrics(records):
                                            for task in tasks})
 
 
-def load_model(init_from, dropout, ours=False):
-    """(model, checkpoint or None) from a train.py/finetune.py checkpoint (a .pt file, or a directory of FSDP shards
-    with a state.pt; always when ours, as for a resume) or a Hugging Face T5 name or folder."""
-    if ours or init_from.endswith(".pt") or os.path.isfile(os.path.join(finished_dir(init_from), "state.pt")):
-        ckpt = load_checkpoint(init_from)
-        return T5.from_checkpoint(ckpt, dropout=dropout), ckpt
-    return T5.from_pretrained(init_from, dropout=dropout), None
-
-
 @torch.no_grad()
 def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens, device, autocast, rank=0,
                          world_size=1):
@@ -260,20 +238,22 @@ def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens,
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     rt = setup_runtime(device, dtype, seed)
-    micro_batch_size = rt.micro_batch_size(batch_size, grad_accum_steps)
+    micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
+    # before any work: a new run never replaces another run's checkpoint or results, and two runs never share out_dir
+    resuming = init_from == "resume"
+    results = ("metrics.json", "predictions.jsonl", *(() if eval_only else CHECKPOINTS))
+    out_dir_lock = claim_out_dir(out_dir, rt, fresh=not resuming, results=results)  # held while the process lives
 
     # the model, and the tokenizer it was pre-trained with: ours from the checkpoint's meta, T5's for Hub weights
     ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a directory, each rank writes its shards
-    resuming = init_from == "resume"
-    model, ckpt = load_model(ckpt_path if resuming else init_from, dropout, ours=resuming)
-    meta = ckpt["meta"] if ckpt is not None else None
     if resuming:
-        check_resume(ckpt, ckpt_path, config, meta, fixed=("optimizer",))
-    spiece = os.path.join(init_from, "spiece.model")  # Hub folders usually carry it; t5-v1_1 and flan-t5 share one
-    if meta is not None:
-        tokenizer = load_tokenizer(meta)
+        ckpt = load_checkpoint(ckpt_path, program="finetune.py")
+        check_resume(ckpt, ckpt_path, config, ckpt["meta"], fixed=("optimizer",))
+        model = T5.from_checkpoint(ckpt, dropout=dropout)
     else:
-        tokenizer = SentencePieceTokenizer(spiece if os.path.isfile(spiece) else t5_spiece())
+        model, ckpt = load_model(init_from, dropout=dropout)
+    meta = ckpt["meta"] if ckpt is not None else None
+    tokenizer = load_tokenizer(meta, init_from)
     print0(f"{model.num_params() / 1e6:.1f}M parameters from {init_from}")
 
     def tokenized_split(split):
@@ -288,16 +268,14 @@ if __name__ == "__main__":
         raise UserError(f"the tokenizer makes id {top_id} but the model has vocab_size {model.config.vocab_size}: "
                         f"{init_from} was not trained with this tokenizer")
     print0(f"{len(train_examples):,} train and {len(test_examples):,} test examples")
-    # before training: a new run never replaces a checkpoint, and two runs never write one out_dir
-    out_dir_lock = claim_out_dir(out_dir, rt, fresh=not (resuming or eval_only))  # held while the process lives
-
-    step = ckpt["step"] if resuming else 0  # optimizer steps done
-    elapsed = ckpt["elapsed"] if resuming else 0.0
     steps_per_epoch = len(train_examples) // batch_size
     if not eval_only and not steps_per_epoch:
         raise UserError(f"{len(train_examples)} train examples make no full batch of {batch_size}: "
                         f"lower batch_size or raise max_num_instances_per_task")
     max_steps = 0 if eval_only else max_steps or epochs * steps_per_epoch
+
+    step = ckpt["step"] if resuming else 0  # optimizer steps done
+    elapsed = ckpt["elapsed"] if resuming else 0.0
     # on the device; sharded (fsdp: in place, `model` then holds this rank's slices), compiled, DDP-wrapped
     train_model = wrap_model(model, rt, fsdp, compile, dynamic=True)
     if not eval_only:
@@ -319,14 +297,13 @@ if __name__ == "__main__":
         batch = epoch_order(epoch)[i * batch_size:(i + 1) * batch_size]
 
         def get_batch(micro_step):
-            first = (micro_step * rt.world_size + rt.rank) * micro_batch_size
-            examples = [train_examples[j] for j in batch[first:first + micro_batch_size]]
+            first = (micro_step * rt.world_size + rt.rank) * micro_batch
+            examples = [train_examples[j] for j in batch[first:first + micro_batch]]
             return tuple(t.to(rt.device) for t in collate(examples, model.config.pad_token_id))
         return get_batch
 
     def evaluate():
-        """Greedy predictions for every test example, spread over the ranks; rank 0 scores them and writes
-        predictions.jsonl and metrics.json (each atomically, so a killed run never leaves half a file)."""
+        """greedy predictions of every test example, spread over the ranks; rank 0 scores and writes them"""
         model.eval()
         predictions = generate_predictions(unsharded_copy(model) if fsdp else model, test_examples, tokenizer,
                                            eval_batch_size, max_new_tokens, rt.device, rt.autocast, rt.rank,
@@ -351,35 +328,36 @@ if __name__ == "__main__":
                f"{metrics['num_examples']:,} test examples of {len(metrics['per_task'])} tasks; "
                f"predictions in {out_dir}/predictions.jsonl")
 
-    # the ranks agree (stop signal, NaN/inf, mean loss) only at log and checkpoint steps, as in train.py
-    checkpoints = Checkpointer(ckpt_path, checkpoint_interval, log_interval, max_steps, rt,
-                               lambda elapsed: checkpoint_state(train_model, opt, step, elapsed, config, meta), step,
-                               elapsed)
+    sync = Sync(rt, ckpt_path, step, elapsed)  # as in train.py: the ranks agree at log and checkpoint steps
     model.train()
     t_log, steps_since_log = time.time(), 0
-    while step < max_steps and not checkpoints.stop:
+    while step < max_steps and not sync.stop:
         loss, grad_norm = train_step(train_model, opt, micro_batches(step), grad_accum_steps, lr, grad_clip, 0.0,
                                      rt.autocast, rt.ddp)
         step += 1
         steps_since_log += 1
-        if checkpoints.agree(step, loss, grad_norm):
+        sync.watch(loss, grad_norm)
+        if step % log_interval == 0 or step % checkpoint_interval == 0 or step == max_steps:
+            loss = sync.agree(step, loss)  # stops on a signal; NaN or inf ends the run before it saves
             dt = (time.time() - t_log) / steps_since_log
             t_log, steps_since_log = time.time(), 0
-            logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": checkpoints.loss, "lr": lr,
-                        "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt, "elapsed": checkpoints.elapsed})
-            print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | loss {checkpoints.loss:.4f} | "
+            logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss, "lr": lr,
+                        "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt, "elapsed": sync.elapsed})
+            print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | loss {loss:.4f} | "
                    f"grad norm {grad_norm.item():.3f} | {1000 * dt:.0f} ms/step | "
                    f"eta {(max_steps - step) * dt / 3600:.2f} h")
+            if sync.stop or step % checkpoint_interval == 0 or step == max_steps:
+                state = checkpoint_state(train_model, opt, step, sync.elapsed, config, meta, "finetune.py")
+                with sync.paused():
+                    save_checkpoint(ckpt_path, state)
         if eval_interval and step % eval_interval == 0 and step < max_steps:
-            with checkpoints.paused():
+            with sync.paused():
                 evaluate()
-        checkpoints.after_step(step)
-    checkpoints.finish(step)
+    sync.release()
     if step < max_steps:
         print0(f"continue with --init_from=resume --out_dir={out_dir}")
     else:
         evaluate()
-
     if rt.ddp:
         # rank 0 may still be scoring and writing the predictions: the ranks leave together (a rank that tore down
         # its process group while its peer still ran aborted once: "terminate called without an active exception")

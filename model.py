@@ -48,8 +48,9 @@ class T5Config:
         return cls(**{**PRESETS[name], **overrides})
 
 
-# shapes from the t5x gin files; 't5-tiny' is small enough to train on a laptop CPU
+# shapes from the t5x gin files; 't5-mini' and 't5-tiny' are small enough to train on a laptop CPU
 PRESETS = {
+    't5-mini': dict(d_model=128, d_ff=384, num_heads=4, d_kv=32, num_layers=3, num_decoder_layers=3),
     't5-tiny': dict(d_model=256, d_ff=768, num_heads=4, d_kv=64, num_layers=4, num_decoder_layers=4),
     't5-v1_1-small': dict(d_model=512, d_ff=1024, num_heads=6, d_kv=64, num_layers=8, num_decoder_layers=8),
     't5-v1_1-base': dict(d_model=768, d_ff=2048, num_heads=12, d_kv=64, num_layers=12, num_decoder_layers=12),
@@ -212,9 +213,8 @@ class Encoder(Stack):
 
 class Decoder(Stack):
     def encoder_kv(self, encoder_out):
-        """Every layer's cross-attention (k, v), (B, nh, S, hs) each, in one matmul over all layers' weights. Copied
-        contiguous on CPU only: its attention kernel reads strided k, v 1.3x (fp32) to 2.3x (bf16) slower, while
-        CUDA's kernels take the strided views as they are, and a copy would cost two (B, S, d) tensors a layer."""
+        """Every layer's cross-attention (k, v), (B, nh, S, hs) each, in one matmul over all layers' weights; copied
+        contiguous on CPU only, whose attention kernel reads strided k, v slower (CUDA's take the views as they are)."""
         B, S, _ = encoder_out.shape
         weight = torch.cat([w for b in self.blocks for w in (b.cross_attn.k.weight, b.cross_attn.v.weight)])
         kv = F.linear(encoder_out, weight).view(B, S, 2 * len(self.blocks), -1, self.blocks[0].cross_attn.d_kv)
@@ -261,7 +261,7 @@ class T5(nn.Module):
     @torch.no_grad()
     def init_weights(self):
         """Mesh-TensorFlow's init: matrices N(0, 1/fan_in), q's std also taking the 1/sqrt(d_kv) attention leaves out;
-        embeddings N(0, 1). An untied lm_head gets t5x's d_model**-0.5, not HF's 1.0 (first loss > 100, nanoT5 #25)."""
+        embeddings N(0, 1). An untied lm_head gets t5x's d_model**-0.5, not HF's 1.0 (which starts at a loss > 100)."""
         c = self.config
         for name, p in self.named_parameters():  # a tied lm_head is shared.weight, initialised once as that
             if p.dim() == 1:  # RMSNorm

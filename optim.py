@@ -1,7 +1,6 @@
 """
-The optimization of the nanoT5 recipe: AdamW with steps scaled by each tensor's RMS (AdamWScale), T5's Adafactor (the
-nanoT5 paper's baseline), the learning-rate schedules as pure functions of the step, and the training step itself,
-which train.py, finetune.py and bench.py all run.
+The optimization of the nanoT5 recipe: AdamWScale (AdamW with each tensor's step scaled by its RMS), T5's Adafactor
+(the paper's baseline), the learning-rate schedules, and the training step that train.py, finetune.py and bench.py run.
 """
 import math
 from contextlib import nullcontext
@@ -23,8 +22,7 @@ def local(tensors):
 
 
 def norms(tensors):
-    """Each tensor's 2-norm, as 0-d tensors. A DTensor's is the whole tensor's, not its slice's: the slices' squared
-    norms summed over the ranks, in one all-reduce for the whole list."""
+    """each tensor's 2-norm, as 0-d tensors; a DTensor's is the whole tensor's, in one all-reduce for the list"""
     if not isinstance(tensors[0], DTensor):
         return torch._foreach_norm(tensors)
     squares = torch.stack(torch._foreach_norm(local(tensors))).square_()
@@ -33,9 +31,8 @@ def norms(tensors):
 
 
 def zeros_like_mean(t, dim):
-    """Zeros shaped like t.mean(dim). Of a DTensor, laid out as that mean is once summed over the ranks: sliced where
-    the mean keeps the sliced dim (an FSDP-sharded matrix's row means), whole on every rank where it averaged over
-    it (the column means)."""
+    """zeros shaped like t.mean(dim); of a DTensor laid out as that mean once summed over the ranks: sliced for an
+    FSDP-sharded matrix's row means, whole on every rank for its column means"""
     mean = t.mean(dim=dim)
     if isinstance(mean, DTensor):
         mean = mean.redistribute(placements=[Replicate() if p.is_partial() else p for p in mean.placements])
@@ -59,10 +56,8 @@ class AdamWScale(torch.optim.Optimizer):
         p -= lr * sqrt(1-b2^t)/(1-b1^t) * max(1e-3, RMS(p)) * m / (sqrt(v) + eps)   # RMS(p) before this update
         p -= lr * wd * p                                                              # decoupled, only if wd > 0
     Each line runs over all tensors of a param group at once (torch._foreach_*), as torch.optim.AdamW(foreach=True)
-    does. Compared with that AdamW it adds a pass that reads p for its RMS, and saves the pass that divides sqrt(v)
-    by sqrt(1-b2^t) (here eps is added to sqrt(v) as it is, and the bias correction rides in the step size).
-    Under FSDP p is a DTensor of which each rank holds a slice: RMS(p) is the whole tensor's (one all-reduce for all
-    tensors of a group), and the elementwise lines then run on the slices.
+    does. Under FSDP p is a DTensor of which each rank holds a slice: RMS(p) is the whole tensor's (one all-reduce for
+    all tensors of a group), and the elementwise lines run on the slices.
     """
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
@@ -132,10 +127,8 @@ class Adafactor(torch.optim.Optimizer):
         u = g / sqrt(V)
         u = u / max(1, RMS(u) / clip_threshold)
         p -= lr * max(eps2, RMS(p)) * (u + weight_decay * p)      # RMS(p) before this update
-    torch.optim.Adafactor (torch 2.13) also scales by RMS(p) and clips, but is not this optimizer: it always takes
-    the relative step min(lr, 1/sqrt(t)), so lr caps the step instead of setting it (a cosine schedule's 2e-2 would
-    be cut to 1/sqrt(t) after step 2,500); it clamps V at eps1^2 instead of adding eps1 to g^2; and it scales weight
-    decay by lr instead of by the RMS-scaled step.
+    (torch.optim.Adafactor differs: its step is always capped at 1/sqrt(t), V is clamped rather than offset by eps1,
+    and weight decay is scaled by lr.)
     Under FSDP p is a DTensor sliced along dim 0, and the lines above run as DTensor ops, which sum over the ranks
     where the whole tensor is needed: the column means, the mean of R, RMS(u) and RMS(p); the row means are local.
     """
@@ -183,13 +176,11 @@ class Adafactor(torch.optim.Optimizer):
 
 def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min_lr):
     """
-    The learning rate at `step` optimizer steps into a run of max_steps. Step may be fractional, so that a time budget
-    can drive the schedule with progress * max_steps.
-    cosine: linear warmup from warmup_start_factor*lr to lr over warmup_steps, then half a cosine down to min_lr at
-        max_steps. nanoT5: 1e-2 at the start, 2e-2 at 10,000, 1e-5 at 65,536.
+    The learning rate after `step` optimizer steps (fractional under a time budget) of max_steps.
+    cosine: linear warmup from warmup_start_factor*lr to lr, then half a cosine down to min_lr at max_steps.
     inverse_sqrt: nanoT5's "legacy" T5 schedule, min(lr, 1/sqrt(step)), then linear from its value at 90% of the run
-        down to 0 at max_steps. With T5's lr of 1e-2 it is flat for 10,000 steps, which stands in for a warmup.
-    constant: lr throughout, no warmup.
+        down to 0. With T5's lr of 1e-2 it is flat for 10,000 steps, which stands in for a warmup.
+    constant: lr throughout.
     """
     if schedule == "constant":
         return lr
@@ -200,25 +191,21 @@ def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min
             return min_lr
         progress = (step - warmup_steps) / (max_steps - warmup_steps)
         return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-    if schedule == "inverse_sqrt":
-        if step >= max_steps:
-            return 0.0
-        decay_start = 0.9 * max_steps
-        if step < decay_start:
-            return min(lr, 1 / math.sqrt(step)) if step > 0 else lr
-        return min(lr, 1 / math.sqrt(decay_start)) * (max_steps - step) / (max_steps - decay_start)
-    raise UserError(f"unknown lr_schedule '{schedule}': use one of {', '.join(LR_SCHEDULES)}")
+    # inverse_sqrt
+    if step >= max_steps:
+        return 0.0
+    decay_start = 0.9 * max_steps
+    if step < decay_start:
+        return min(lr, 1 / math.sqrt(step)) if step > 0 else lr
+    return min(lr, 1 / math.sqrt(decay_start)) * (max_steps - step) / (max_steps - decay_start)
 
 
 LR_SCHEDULES = ("cosine", "inverse_sqrt", "constant")
 
 
 def param_groups(model, weight_decay, no_decay=("ln_",)):
-    """
-    Two param groups: weight decay for most weights, none for parameters whose name contains one of the no_decay
-    substrings. The default catches model.py's RMSNorm scales (ln_1, ln_2, ln_3, ln_f): decaying them would pull each
-    layer's output towards 0 rather than regularise it. Add 'shared' or 'relative_attention_bias' to spare those too.
-    """
+    """Two param groups: weight decay for most weights, none for those whose name contains one of no_decay, by
+    default the RMSNorm scales (ln_*), which decay would pull towards 0 rather than regularise."""
     decayed, not_decayed = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -230,30 +217,27 @@ OPTIMIZERS = ("adamwscale", "adafactor", "adamw")
 
 
 def check_optimizer(name):
+    """configurator.py's rule for `optimizer`"""
     if name not in OPTIMIZERS:
         raise UserError(f"unknown optimizer '{name}': use one of {', '.join(OPTIMIZERS)}")
 
 
 def make_optimizer(name, groups, lr):
-    """The optimizer named by train.py's `optimizer` config key; each group's weight_decay comes from param_groups."""
-    check_optimizer(name)
+    """One of OPTIMIZERS, by name (train.py's `optimizer` config key); each group's weight_decay from param_groups."""
     if name == "adamwscale":
         return AdamWScale(groups, lr=lr)
     if name == "adafactor":
         return Adafactor(groups, lr=lr)
-    if name == "adamw":
-        # eps 1e-6 is HF AdamW's, the one nanoT5 ran; fused does the whole step in one kernel per chunk of tensors
-        device_type = next(p for g in groups for p in g["params"]).device.type
-        return torch.optim.AdamW(groups, lr=lr, eps=1e-6, fused=device_type in ("cuda", "cpu"))
+    # adamw: eps 1e-6 is HF AdamW's, the one nanoT5 ran; fused does the whole step in one kernel per chunk of tensors
+    device_type = next(p for g in groups for p in g["params"]).device.type
+    return torch.optim.AdamW(groups, lr=lr, eps=1e-6, fused=device_type in ("cuda", "cpu"))
 
 
 def train_step(model, optimizer, get_batch, grad_accum_steps=1, lr=None, grad_clip=0.0, z_loss=0.0,
                autocast=nullcontext, ddp=False):
-    """
-    One optimizer step over grad_accum_steps micro-batches; get_batch(micro_step) -> (input_ids, labels,
-    attention_mask or None). Returns the mean cross-entropy and the gradient norm before clipping, as tensors left on
-    the device so that the caller decides when to pay for a sync. ddp: the model is wrapped in DDP or sharded by FSDP.
-    """
+    """One optimizer step over grad_accum_steps micro-batches, get_batch(micro_step) -> (input_ids, labels,
+    attention_mask or None); returns the mean loss and the gradient norm before clipping, as tensors on the device, so
+    that the caller decides when to wait for them. ddp: the model is wrapped in DDP or sharded by FSDP."""
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -17,6 +17,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from model import T5, T5Config
 from optim import make_optimizer, param_groups
@@ -26,8 +27,8 @@ from runtime import checkpoint_state, save_checkpoint
 REPO = os.path.dirname(os.path.abspath(__file__))
 SYSTEM = ["--device=cpu", "--dtype=float32", "--compile=False"]
 # each script's base command; a case adds its bad arguments, which win over these
-TRAIN = ["train.py", "config/t5_tiny.py", *SYSTEM, "--data_dir={data}", "--out_dir={run}", "--init_from=resume",
-         "--input_length=64", "--batch_size=8", "--max_steps=2", "--eval_steps=1"]
+TRAIN = ["train.py", "config/t5_tiny.py", *SYSTEM, "--model=t5-tiny", "--data_dir={data}", "--out_dir={run}",
+         "--init_from=resume", "--input_length=64", "--batch_size=8", "--max_steps=2", "--eval_steps=1"]
 FINETUNE = ["finetune.py", *SYSTEM, "--data_dir={sni}", "--out_dir={ftrun}", "--init_from=resume",
             "--max_num_instances_per_task=4", "--batch_size=4", "--max_steps=1", "--max_new_tokens=4"]
 PREPARE = ["prepare.py", "--dataset={corpus}", "--tokenizer=train", "--vocab_size=64", "--out_dir={prepared}",
@@ -116,6 +117,29 @@ CASES = [
      "config.json: No such file"),
     ("train HF folder without config.json", [*TRAIN, "--out_dir={tmp}/out", "--init_from={bad}/hf"],
      "config.json: No such file"),
+    # 6. a run continues only a run of its own kind, and never replaces results it did not make
+    ("finetune resume of a train.py run", [*FINETUNE, "--out_dir={run}"], "was written by train.py"),
+    ("finetune eval over finished results", [*FINETUNE, "--init_from={ckpt}", "--eval_only=True",
+                                             "--out_dir={results}"], "metrics.json exists and this run would replace"),
+    ("train resume of a plain state dict", [*TRAIN, "--out_dir={bad}/statedict"], "was written by another program"),
+    # 7. data is what its meta.json says, and the values given with it agree
+    ("train tokenizer of another folder", [*TRAIN, "--data_dir={othertok}"], "is not the tokenizer"),
+    ("train vocab_size against the folder", [*TRAIN, "--vocab_size=1000"], "with vocab_size 64, not 1000"),
+    ("train meta.json without a key", [*TRAIN, "--data_dir={nometa}"], "it has no 'eos_id'"),
+    ("train shard one byte long", [*TRAIN, "--data_dir={longshard}"], "holds 1,000 tokens and a byte, not the 1,000"),
+    ("train data_dir a file", [*TRAIN, "--data_dir={corpus}"], "it must be a folder, not a file"),
+    ("train log.jsonl damaged", [*TRAIN, "--out_dir={badlog}"], "line 2 of"),
+    # 8. config files are Python assignments; numbers are finite and usable
+    ("train YAML config", ["train.py", "{bad}/config.yaml"], "config files are Python assignments (key = value)"),
+    ("train JSON config", ["train.py", "{bad}/config.json"], "config files are Python assignments (key = value)"),
+    ("train config that sets nothing", ["train.py", "{bad}/empty.py"], "sets no config key"),
+    ("train lr inf", [*TRAIN, "--lr=1e999"], "'lr' is inf; it must be a finite number"),
+    ("train seed of 20 digits", [*TRAIN, "--seed=12345678901234567890"], "it must be below 2**63"),
+    # 9. a message names the real cause
+    ("prepare dataset a folder", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/sni"], "is a folder"),
+    ("prepare csv", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/data.csv"], "data.csv is not a .txt/"),
+    ("prepare bad line late", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/late.jsonl",
+                               "--tokenizer={data}/tokenizer.model"], "on line 30001"),
 ]
 OWN_COPIES = ("run", "ftrun", "prepared", "sharded")
 
@@ -148,14 +172,14 @@ def write_sni(root, seed=0):
     (root / "splits" / "default" / "test_tasks.txt").write_text("task002_copy\n")
 
 
-def tiny_checkpoint(path, meta, config, optimizer):
+def tiny_checkpoint(path, meta, config, optimizer, program="train.py"):
     """a checkpoint in train.py's format of a very small T5 (at a path not ending in .pt, a directory of shards, as
     --fsdp=True writes): cases stop before its weights matter"""
     t5 = T5(T5Config(vocab_size=meta["model_vocab_size"], d_model=32, d_kv=8, d_ff=64, num_layers=1,
                      num_decoder_layers=1, num_heads=2))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     opt = make_optimizer(optimizer, param_groups(t5, 0.0), 1e-3)
-    save_checkpoint(path, checkpoint_state(t5, opt, 1, 0.0, dict(config, optimizer=optimizer), meta))
+    save_checkpoint(path, checkpoint_state(t5, opt, 1, 0.0, dict(config, optimizer=optimizer), meta, program))
 
 
 def copy_data(data, to, damage):
@@ -183,11 +207,29 @@ def places(tmp_path_factory):
 
     run_config = {"model": "t5-tiny", "dropout": 0.0, "lr": 1e-2}
     tiny_checkpoint(str(root / "run" / "ckpt.pt"), meta, run_config, "adamwscale")
-    tiny_checkpoint(str(root / "ftrun" / "ckpt.pt"), meta, {}, "adamw")
+    tiny_checkpoint(str(root / "ftrun" / "ckpt.pt"), meta, {}, "adamw", "finetune.py")
     tiny_checkpoint(str(root / "sharded" / "ckpt"), meta, run_config, "adamwscale")
     tiny_checkpoint(str(root / "pretrained" / "ckpt.pt"), meta, {}, "adamwscale")
     shutil.copytree(root / "run", root / "locked")
+    shutil.copytree(root / "run", root / "badlog")
+    (root / "badlog" / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 1, "lo\n')
     write_sni(root / "sni")
+    (root / "results").mkdir()
+    (root / "results" / "metrics.json").write_text('{"rougeL": 40.7}')
+    (root / "results" / "predictions.jsonl").write_text('{"prediction": "a finished run"}\n')
+
+    def other_tokenizer(folder):
+        smaller = prepare(dataset=corpus, tokenizer="train", out_dir=str(root / "smaller"), vocab_size=48)
+        shutil.copy(os.path.join(smaller["data_dir"], "tokenizer.model"), folder / "tokenizer.model")
+
+    def without_eos_id(folder):
+        meta = json.loads((folder / "meta.json").read_text())
+        del meta["eos_id"]
+        (folder / "meta.json").write_text(json.dumps(meta))
+
+    def one_byte_more(folder):
+        with open(folder / "train_001.bin", "ab") as f:
+            f.write(b"\0")
 
     bad = root / "bad"
     bad.mkdir()
@@ -202,17 +244,29 @@ def places(tmp_path_factory):
     (bad / "sni" / "splits" / "default" / "test_tasks.txt").write_bytes(b"task\xe9\n")
     (bad / "hf").mkdir()
     (bad / "hf" / "model.safetensors").write_bytes(b"")
+    (bad / "statedict").mkdir()
+    torch.save({"w": torch.zeros(3)}, bad / "statedict" / "ckpt.pt")
+    (bad / "config.yaml").write_text("lr: 0.01\nbatch_size: 8\n")
+    (bad / "config.json").write_text('{"lr": 0.01, "batch_size": 8}\n')
+    (bad / "empty.py").write_text("# a config file that sets nothing\n")
+    (bad / "data.csv").write_text("text,label\nhello world,1\n")
+    (bad / "late.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 8}) + "\n" for i in range(30000))
+                                    + '{"text": 5}\n')
     return dict(corpus=corpus, data=data, run=str(root / "run"), ftrun=str(root / "ftrun"),
                 sharded=str(root / "sharded"), prepared=data,
                 sni=str(root / "sni"), ckpt=str(root / "pretrained" / "ckpt.pt"), locked=str(root / "locked"),
                 bad=str(bad), short=copy_data(data, root / "short", cut_shard),
                 noval=copy_data(data, root / "noval", lambda folder: os.remove(folder / "val.bin")),
-                other=copy_data(data, root / "other", other_settings), root=str(root))
+                other=copy_data(data, root / "other", other_settings), root=str(root), results=str(root / "results"),
+                othertok=copy_data(data, root / "othertok", other_tokenizer), badlog=str(root / "badlog"),
+                nometa=copy_data(data, root / "nometa", without_eos_id),
+                longshard=copy_data(data, root / "longshard", one_byte_more))
 
 
 def snapshot(folders):
     """the bytes of every checkpoint, shard, tokenizer and meta.json in the folders"""
-    patterns = ("ckpt.pt", "ckpt/*", "ckpt/.metadata", "*.bin", "tokenizer.model", "meta.json")
+    patterns = ("ckpt.pt", "ckpt/*", "ckpt/.metadata", "*.bin", "tokenizer.model", "meta.json", "metrics.json",
+                "predictions.jsonl", "log.jsonl")
     files = [p for folder in folders for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))]
     return {p: open(p, "rb").read() for p in files}
 
@@ -232,7 +286,8 @@ def results(places):
                if any("{" + key + "}" in arg for arg in command)}
         args = [arg.format(**dict(places, tmp=tmp, **own)) for arg in command]
         # the folders the case can reach, whose checkpoints and shards must come out as they went in
-        reached = [dict(places, **own)[key] for key in (*OWN_COPIES, "data", "short", "noval", "other", "locked")
+        reached = [dict(places, **own)[key] for key in (*OWN_COPIES, "data", "short", "noval", "other", "locked",
+                                                        "results", "othertok", "badlog", "nometa", "longshard")
                    if any("{" + key + "}" in arg for arg in command)]
         before = snapshot(reached)
         try:

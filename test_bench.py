@@ -4,11 +4,13 @@ import pytest
 import torch
 
 import bench
+from prepare import compute_input_and_target_lengths
 from runtime import flops_per_step, setup_runtime
 
-TINY = bench.Shape("t5-tiny", batch_size=4, input_length=32)
-VOCAB = 256  # a small vocab keeps the embedding and lm_head, and so each step, small
-ONE_STEP = bench.Timing(burn_in=1, steps=1)
+# t5-tiny, 4 examples of 32 input tokens; a small vocab keeps the embedding and lm_head, and so each step, small
+TINY = ("t5-tiny", 256, 4, 1, 32)  # model, vocab, batch, grad_accum_steps, input_length
+TARGETS = compute_input_and_target_lengths(32, 0.15, 3.0)[1]
+ONE_STEP = dict(burn_in=1, steps=1)
 
 
 @pytest.fixture(autouse=True)
@@ -22,12 +24,12 @@ def one_thread():
 
 def test_bench_train_tiny():
     rt = setup_runtime("cpu", "float32")
-    dt, tokens_per_s, mfu, memory, first = bench.bench_train(rt, TINY, VOCAB, False, ONE_STEP)
-    assert dt > 0 and tokens_per_s == pytest.approx(4 * (32 + TINY.targets_length) / dt)
+    dt, tokens_per_s, mfu, memory, first = bench.bench_train(rt, *TINY, False, **ONE_STEP)
+    assert dt > 0 and tokens_per_s == pytest.approx(4 * (32 + TARGETS) / dt)
     assert mfu is None and memory > 0 and first > 0  # no known peak on a CPU
     # with a peak given, MFU is the model's FLOPs per second over it
-    dt, _, mfu, _, _ = bench.bench_train(rt, TINY, VOCAB, False, ONE_STEP, peak_flops=1e12)
-    flops = flops_per_step(bench.build_model(rt, "t5-tiny", VOCAB), 4, 32, TINY.targets_length)
+    dt, _, mfu, _, _ = bench.bench_train(rt, *TINY, False, peak_flops=1e12, **ONE_STEP)
+    flops = flops_per_step(bench.build_model(rt, "t5-tiny", 256), 4, 32, TARGETS)
     assert mfu == pytest.approx(flops / dt / 1e12)
 
 
@@ -49,21 +51,21 @@ def run_out_of_memory(monkeypatch, fails):
 def test_out_of_memory_falls_back_to_the_largest_micro_batch_that_fits(monkeypatch):
     tried = run_out_of_memory(monkeypatch, lambda micro_batch: micro_batch > 1)
     rt = setup_runtime("cpu", "float32")
-    micro_batch, (dt, tokens_per_s, _, _, _) = bench.bench_train_fitting(rt, TINY, VOCAB, False, ONE_STEP)
+    micro_batch, (dt, tokens_per_s, _, _, _) = bench.bench_train_fitting(rt, *TINY, False, **ONE_STEP)
     assert micro_batch == 1 and tried == [4, 2, 1, 1]  # the first call of each size, then the timed call
-    assert tokens_per_s == pytest.approx(TINY.tokens_per_step / dt)  # still the whole global batch per step
+    assert tokens_per_s == pytest.approx(4 * (32 + TARGETS) / dt)  # still the whole global batch per step
     tried.clear()
     with pytest.raises(torch.OutOfMemoryError):
         run_out_of_memory(monkeypatch, lambda micro_batch: True)
-        bench.bench_train_fitting(rt, TINY, VOCAB, False, ONE_STEP)
+        bench.bench_train_fitting(rt, *TINY, False, **ONE_STEP)
 
 
 def test_table_finishes_every_row(monkeypatch, capsys):
     calls = iter(range(100))
     # the first row runs out of memory at every micro-batch (4, 2, 1); the second fits at 2
     tried = run_out_of_memory(monkeypatch, lambda micro_batch: next(calls) < 3 or micro_batch > 2)
-    bench.print_table("cpu", TINY, VOCAB, ONE_STEP, rows=[("float32", False), ("tfloat32", False),
-                                                          ("float32", False)])
+    bench.print_table("cpu", "t5-tiny", 256, 4, 32, rows=[("float32", False), ("tfloat32", False),
+                                                        ("float32", False)], **ONE_STEP)
     lines = capsys.readouterr().out.splitlines()
     assert tried == [4, 2, 1, 4, 2, 2]
     failed, skipped, fitted = [line for line in lines if line.lstrip().startswith(("float32", "tfloat32"))]
@@ -74,8 +76,7 @@ def test_table_finishes_every_row(monkeypatch, capsys):
 
 def test_side_by_side_reports_the_first_call_apart(capsys):
     calls = []
-    timing = bench.Timing(burn_in=2, steps=2)
-    bench.side_by_side(("a", lambda: calls.append("a")), ("b", lambda: calls.append("b")), 1, "op", timing,
-                       compiled=True)
+    bench.side_by_side(("a", lambda: calls.append("a")), ("b", lambda: calls.append("b")), 1, "op", steps=2,
+                       burn_in=2, compiled=True)
     out = capsys.readouterr().out
     assert out.count("first call (compile):") == 2 and calls.count("a") == calls.count("b") == 4

@@ -138,3 +138,17 @@ def test_finetune_from_a_sharded_checkpoint_matches_one_process(runs, sni_dir, t
         torch.testing.assert_close(ours["model"][name], tensor, rtol=0, atol=1e-3 * tensor.abs().max().item())
     with open(os.path.join(one, "predictions.jsonl")) as f, open(os.path.join(fsdp, "predictions.jsonl")) as g:
         assert f.read() == g.read()
+
+
+def test_sample_reads_a_sharded_checkpoint(runs):
+    from sample import encode, fill_in
+    from prepare import load_tokenizer
+    out = runs["adamwscale", "fsdp"][0]
+    text = "The river <extra_id_0> the city."
+    r = run(["sample.py", f"--init_from={out}", f"--text={text}", "--device=cpu", "--max_new_tokens=8"])
+    assert r.returncode == 0, r.stderr
+    ckpt = load_checkpoint(os.path.join(out, "ckpt"))
+    tok, t5 = load_tokenizer(ckpt["meta"]), T5.from_checkpoint(ckpt).eval()
+    ids = encode(tok, text)
+    fill = t5.generate(torch.tensor([ids]), max_new_tokens=8)[0].tolist()
+    assert f"model: {fill_in(tok, tok.decode(ids), fill)}\n" in r.stdout

@@ -241,8 +241,10 @@ def test_prepare_resumes_after_interrupt(corpus, data_dir, tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         P.prepare(corpus, **prepare_args(tmp_path))
     files = os.listdir(tmp_path)
-    assert "meta.json" not in files and not [f for f in files if f.endswith(".tmp")]
-    progress = json.load(open(tmp_path / "progress.json"))
+    progress = json.load(open(tmp_path / "meta.json"))  # the folder's one state file: not complete, and not taken
+    assert not progress["complete"] and not [f for f in files if f.endswith(".tmp")]
+    with pytest.raises(UserError, match="not completely prepared"):
+        P.load_meta(str(tmp_path))
     assert 1 <= len(progress["shards"]) < len(P.load_meta(data_dir)["train_shards"])
     assert any(s["next_offset"] > 0 for s in progress["shards"])  # a document straddles a shard boundary
     for f in files:
@@ -310,7 +312,7 @@ def test_gpt2_fails_clearly_offline(monkeypatch):
         raise requests.exceptions.ConnectionError("no network")
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(UserError, match="tiktoken could not download.*--tokenizer=train"):
-        P.Gpt2Tokenizer()
+        P.Tokenizer()  # GPT-2's, which tiktoken downloads
 
 
 def test_cli_bad_input_is_one_line(tmp_path):
@@ -520,8 +522,10 @@ def test_a_full_disk_names_the_shard_and_the_rerun_continues(data_dir, corpus, t
 @pytest.mark.parametrize("inputs_length, density, mean", [(512, 1.0, 3.0), (512, 0.0, 3.0), (512, 0.15, 0.5),
                                                           (2, 0.15, 3.0)])
 def test_input_and_target_lengths_refuse_what_never_ends(inputs_length, density, mean):
-    with pytest.raises(UserError, match="span corruption needs input_length >= 3"):
-        P.compute_input_and_target_lengths(inputs_length, density, mean)
+    # where these values enter, configurator.py refuses them, before compute_input_and_target_lengths could loop
+    r = subprocess.run([sys.executable, "train.py", f"--input_length={inputs_length}", f"--noise_density={density}",
+                        f"--mean_noise_span_length={mean}"], cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error: config key ") and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_decode_skips_special_tokens_as_hugging_face_does(data_dir):
@@ -536,3 +540,56 @@ def test_decode_skips_special_tokens_as_hugging_face_does(data_dir):
         assert tok.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), ids
     ids = tok.encode("the model") + [tok.first_sentinel_id, tok.eos_id]
     assert tok.decode(ids) == "the model <extra_id_0>" and tok.decode(ids, skip_special_tokens=True) == "the model"
+
+
+def test_a_tokenizer_of_another_folder_is_named_and_rebuilt(data_dir, corpus, tmp_path):
+    other = P.prepare(corpus, **prepare_args(tmp_path / "small", vocab_size=PIECES // 2, max_train_tokens=1000))
+    damaged = copy_of(data_dir, tmp_path / "c4")
+    with open(os.path.join(other["data_dir"], "tokenizer.model"), "rb") as f:
+        with open(os.path.join(damaged, "tokenizer.model"), "wb") as g:
+            g.write(f.read())
+    with pytest.raises(UserError, match="tokenizer.model is not the tokenizer .* was prepared with"):
+        P.load_tokenizer(damaged)
+    P.prepare(corpus, **prepare_args(damaged))  # the command the error names
+    assert folder_bytes(damaged) == folder_bytes(data_dir)
+
+
+def test_tokenizer_training_reports_a_failure_to_read_as_itself():
+    def texts():
+        yield "some text to learn a vocabulary from " * 50
+        raise KeyboardInterrupt  # Ctrl-C while the corpus is read
+    with pytest.raises(KeyboardInterrupt):
+        P._train_spiece(texts(), 100)
+
+
+def test_a_val_set_shorter_than_a_window_is_reported(corpus, tmp_path, capsys):
+    P.prepare(corpus, **prepare_args(tmp_path, max_val_tokens=100))
+    assert "warning: val.bin holds 100 tokens, fewer than one window" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# span accuracy and its baseline
+
+
+def test_span_accuracy_counts_spans_right_to_their_end():
+    # <extra_id_0> = 299, <extra_id_1> = 298, EOS = 1; a span is its tokens and the token that ends it
+    labels = torch.tensor([[299, 5, 6, 298, 7, 1], [299, 7, 298, 9, 9, 1]])
+    predicted = torch.tensor([[4, 5, 6, 298, 8, 1],  # span 0 right (the first sentinel is not scored), span 1 wrong
+                              [299, 7, 298, 9, 9, 3]])  # span 0 right, span 1 not ended by EOS: wrong
+    right, spans = P.span_accuracy(torch.nn.functional.one_hot(predicted, 300).float(), labels, 299)
+    assert (right.item(), spans.item()) == (2, 4)
+    assert P.span_fills(labels, 299) == [(5, 6), (7,), (7,), (9, 9)]
+
+
+def test_unigram_baseline_always_writes_the_commonest_training_fill():
+    class Batches:
+        meta = {"first_sentinel_id": 299}
+
+        def __init__(self, labels):
+            self.labels = torch.tensor(labels)
+
+        def get(self, step):
+            return None, self.labels
+    train = Batches([[299, 5, 298, 5, 297, 6, 1]])  # fills (5,), (5,), (6,)
+    val = Batches([[299, 5, 298, 7, 7, 1], [299, 6, 298, 5, 5, 1]])  # fills (5,), (7, 7), (6,), (5, 5)
+    assert P.unigram_baseline(train, val, val_steps=1, train_spans=3) == ((5,), 0.25)

@@ -160,3 +160,20 @@ def test_flops_per_step_counts_every_matmul():
     # weights alone, each over the tokens of its own stack, bound it from below; attention adds the rest
     assert flops > 4 * 6 * (sum(p.numel() for p in model.encoder.parameters()) * S)
     assert 4 * 6 * n * T < flops < 4 * 6 * n * S + 4 * 12 * 384 * 16 * S * S
+
+
+def test_a_full_disk_inside_torch_save_is_one_line(tmp_path, monkeypatch):
+    # torch's zip writer turns the file's OSError into a RuntimeError: still one line, and the old file stays
+    import io
+    import runtime
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"step": 1})
+    good = open(path, "rb").read()
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(runtime, "open", lambda name, mode: FullDisk(name, "w"), raising=False)
+    with pytest.raises(UserError, match=f"could not write {path}: No space left on device; the previous ckpt.pt"):
+        save_checkpoint(path, {"step": 2, "w": torch.zeros(1000)})
+    assert open(path, "rb").read() == good and os.listdir(tmp_path) == ["ckpt.pt"]

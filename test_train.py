@@ -99,8 +99,16 @@ def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
     meta, tok = val.meta, P.load_tokenizer(data_dir)
     assert [rebuild(i, t, meta["first_sentinel_id"]) for i, t in zip(inputs.numpy(), labels.numpy())] == \
         windows.reshape(2, -1).tolist()
-    # the fill is what generate() writes for that input with the final weights, cut at EOS
+    # span accuracy is logged and printed next to its baseline, and is what the final weights score on val
     t5 = T5.from_checkpoint(torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)).eval()
+    assert f"span acc {shown[-1]['span_acc']:.4f} (baseline {shown[-1]['span_baseline']:.4f})" in r.stdout
+    totals = torch.zeros(2)
+    for step in range(2):  # --eval_steps=2
+        x, y = val.get(step)
+        with torch.no_grad():
+            totals += torch.stack(P.span_accuracy(t5(x, labels=y)[0], y, meta["first_sentinel_id"]))
+    assert shown[-1]["span_acc"] == pytest.approx((totals[0] / totals[1]).item())
+    # the fill is what generate() writes for that input with the final weights, cut at EOS
     fills = t5.generate(inputs, max_new_tokens=labels.size(1)).tolist()
     for example, ids, fill, truth in zip(shown[-1]["examples"], inputs.tolist(), fills, labels.tolist()):
         def text(ids):
@@ -385,3 +393,39 @@ def test_every_rank_stops_when_another_run_holds_out_dir(data_dir, tmp_path):
     assert r.returncode != 0 and os.listdir(tmp_path) == ["lock"]  # no log, no checkpoint
     for rank in (0, 1):
         assert f"[rank{rank}]: error: another run (pid {os.getpid()}) is writing {tmp_path}" in r.stderr, r.stderr
+
+
+def test_divergence_before_any_checkpoint_names_none(data_dir, tmp_path):
+    r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=40", "--lr=1e30",
+             "--lr_schedule=constant", "--grad_clip=0.0", "--checkpoint_interval=1000", "--eval_interval=1000"])
+    assert r.returncode == 1 and "diverged; no checkpoint was written yet" in r.stderr, r.stderr
+    assert "untouched" not in r.stderr and not os.path.exists(tmp_path / "ckpt.pt")
+
+
+def test_init_from_a_run_starts_a_new_run_from_its_weights(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", "--eval_interval=1000", "--checkpoint_interval=1000"]
+    first = str(tmp_path / "first")
+    assert run(["train.py", *args, f"--out_dir={first}", "--max_steps=40"]).returncode == 0
+    r = run(["train.py", *args, f"--out_dir={tmp_path / 'second'}", f"--init_from={first}", "--max_steps=2"])
+    assert r.returncode == 0 and "a new run from the weights of" in r.stdout, r.stderr
+    # it starts where the first run ended, far below a fresh model's loss
+    assert read_log(str(tmp_path / "second"))[1] < read_log(first)[1] - 1.0
+
+
+def test_out_of_memory_is_one_line(tmp_path):
+    script = tmp_path / "big.py"
+    script.write_text(f"import os, torch\nexec(open(os.path.join({REPO!r}, 'configurator.py')).read())\n"
+                      "torch.empty(2**50)\n")  # a petabyte: the CPU allocator refuses it with a RuntimeError
+    r = run([str(script)])
+    assert r.returncode == 1 and r.stderr.startswith("error: out of memory (") and "lower batch_size" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_under_torchrun_the_error_is_the_last_line(data_dir):
+    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
+             "--data_dir=/nonexistent/c4", "--dataset=c4"])
+    assert r.returncode != 0 and "ChildFailedError" in r.stderr  # torchrun's own report comes first
+    assert r.stderr.strip().splitlines()[-1] == ("error: /nonexistent/c4 holds no prepared data (no meta.json): run "
+                                                 "e.g. `python prepare.py --dataset=c4 --out_dir=/nonexistent/c4` or "
+                                                 "`python prepare.py --dataset=pydoc --tokenizer=train "
+                                                 "--vocab_size=4000 --out_dir=/nonexistent/c4`")

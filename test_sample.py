@@ -1,0 +1,80 @@
+"""sample.py run as a user runs it, on a short train.py run: a text with sentinels filled in by generate(), held-out
+windows next to the truth, Hugging Face weights with the tokenizer beside them, and bad input as one line."""
+import os
+import shutil
+
+import pytest
+import torch
+
+import prepare as P
+from model import T5
+from runtime import load_checkpoint
+from sample import encode, fill_in
+from test_train import TINY, data_dir, run  # noqa: F401 (data_dir is a fixture)
+
+TEXT = "The river <extra_id_0> the city <extra_id_1> north."
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory):  # noqa: F811
+    out = str(tmp_path_factory.mktemp("sample") / "run")
+    r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=30",
+             "--eval_interval=1000", "--checkpoint_interval=1000"])
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def model_and_tokenizer(out):
+    ckpt = load_checkpoint(os.path.join(out, "ckpt.pt"))
+    return T5.from_checkpoint(ckpt).eval(), P.load_tokenizer(ckpt["meta"])
+
+
+def test_a_text_is_filled_in_by_generate(trained):
+    r = run(["sample.py", f"--init_from={trained}", f"--text={TEXT}", "--device=cpu", "--max_new_tokens=12"])
+    assert r.returncode == 0, r.stderr
+    t5, tok = model_and_tokenizer(trained)
+    ids = encode(tok, TEXT)
+    assert ids[-1] == tok.eos_id and ids.count(tok.first_sentinel_id) == ids.count(tok.first_sentinel_id - 1) == 1
+    fill = t5.generate(torch.tensor([ids]), max_new_tokens=12)[0].tolist()
+    corrupted = tok.decode(ids)
+    assert f"input: {corrupted}\nmodel: {fill_in(tok, corrupted, fill)}\n" in r.stdout
+    assert fill_in(tok, "a <extra_id_1> b <extra_id_0>", [tok.first_sentinel_id, 7, tok.first_sentinel_id - 1, 8,
+                                                          tok.eos_id]) == f"a [{tok.decode([8])}] b [{tok.decode([7])}]"
+
+
+def test_held_out_windows_are_shown_next_to_the_truth(trained, data_dir):  # noqa: F811
+    r = run(["sample.py", f"--init_from={trained}", "--device=cpu", "--num_samples=2"])
+    assert r.returncode == 0, r.stderr
+    t5, tok = model_and_tokenizer(trained)
+    # the run's own val windows (input_length 64), with the noise every evaluation uses
+    val = P.SpanCorruptionBatches(data_dir, "val", 2, 64, 0.15, 3.0, 1337, t5.config.vocab_size)
+    inputs, labels = val.get(0)
+    for ids, truth in zip(inputs.tolist(), labels.tolist()):
+        corrupted = tok.decode(ids)
+        assert f"input: {corrupted}\n" in r.stdout and f"truth: {fill_in(tok, corrupted, truth)}\n" in r.stdout
+    assert r.stdout.count("model: ") == 2
+
+
+def test_hugging_face_weights_use_the_tokenizer_beside_them(trained, tmp_path):
+    t5, tok = model_and_tokenizer(trained)
+    t5.save_pretrained(str(tmp_path))
+    data = load_checkpoint(os.path.join(trained, "ckpt.pt"))["meta"]["data_dir"]
+    shutil.copy(os.path.join(data, "tokenizer.model"), tmp_path / "spiece.model")
+    ours = run(["sample.py", f"--init_from={trained}", f"--text={TEXT}", "--device=cpu"])
+    theirs = run(["sample.py", f"--init_from={tmp_path}", f"--text={TEXT}", "--device=cpu"])
+    assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout, theirs.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    ([f"--text=no gap here"], "--text has no sentinel to fill in"),
+    (["--init_from={hf}"], "brings no data of its own to fill in: pass --text"),
+    (["--init_from=nanot5-test/no-such-model", f"--text={TEXT}"], "could not get nanot5-test/no-such-model"),
+    (["--init_from={missing}/ckpt.pt"], "no checkpoint at"),
+])
+def test_bad_input_is_one_line(trained, tmp_path, args, message):
+    t5, _ = model_and_tokenizer(trained)
+    t5.save_pretrained(str(tmp_path / "hf"))
+    args = [arg.format(hf=tmp_path / "hf", missing=tmp_path) for arg in args]
+    r = run(["sample.py", f"--init_from={trained}", "--device=cpu", *args], env_extra={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
