@@ -253,8 +253,9 @@ def bench_generate(rt, t5, other, compare, batch_size, input_length, max_new_tok
                            f"{(batch_size, max_new_tokens)}")
     print0(f"greedy decoding of {batch_size} x {max_new_tokens} new tokens after {input_length} input tokens; "
            f"{100 * (ours == theirs).float().mean():.1f}% of the tokens agree")
-    side_by_side(("ours", lambda: run(t5)), ("ours again" if compare == "null" else "transformers", lambda: run(other)),
-                 batch_size * max_new_tokens, "tok", steps, burn_in)
+    other_name = "ours again" if compare == "null" else "transformers"
+    side_by_side(("ours", lambda: run(t5)), (other_name, lambda: run(other)), batch_size * max_new_tokens, "tok",
+                 steps, burn_in)
 
 
 if __name__ == "__main__":
@@ -315,5 +316,6 @@ if __name__ == "__main__":
         dt, tokens_per_s, mfu_now, memory, first = bench_train(rt, model, vocab_size, batch_size, grad_accum_steps,
                                                                input_length, compile, steps, burn_in, peak_flops,
                                                                data_dir, seed)
-        print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{f' | MFU {100 * mfu_now:.1f}%' if mfu_now else ''}"
-               f" | peak memory {memory / 2**30:.2f} GB{f' | first call (compile): {first:.2f} s' if compile else ''}")
+        mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
+        print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | peak memory "
+               f"{memory / 2**30:.2f} GB{f' | first call (compile): {first:.2f} s' if compile else ''}")

@@ -27,7 +27,7 @@ def _config_error(msg):
 
 def _print_user_errors(exc_type, exc, tb, _default=_sys.excepthook):
     # bad input (UserError), a file the OS could not read or write, and running out of memory reach the user as one
-    # line, exit code 1. No sys.exit here: torchrun wraps this hook to prefix each line, and an exit would swallow it
+    # line, exit code 1. No sys.exit here: torchrun wraps this hook to prefix each line, and an exit would lose it
     if exc_type.__name__ == "UserError":
         message = str(exc)
     elif issubclass(exc_type, OSError) and exc.strerror:
@@ -35,14 +35,14 @@ def _print_user_errors(exc_type, exc, tb, _default=_sys.excepthook):
         message = f"{names + ': ' if names else ''}{exc.strerror}"
     elif issubclass(exc_type, MemoryError) or exc_type.__name__ == "OutOfMemoryError" or (
             issubclass(exc_type, RuntimeError) and "can't allocate memory" in str(exc)):  # torch on a CPU
-        message = (f"out of memory ({str(exc).strip().splitlines()[0][:120]}): lower batch_size, input_length or the "
-                   f"model, or raise grad_accum_steps (the same batch in smaller micro-batches)")
+        message = (f"out of memory ({str(exc).strip().splitlines()[0][:120]}): lower batch_size, input_length or "
+                   f"the model, or raise grad_accum_steps (the same batch in smaller micro-batches)")
     else:
         return _default(exc_type, exc, tb)
     print(f"error: {message}", file=_sys.stderr)
     if _os.environ.get("TORCHELASTIC_RUN_ID") and _os.environ.get("RANK") == "0":
-        # torchrun prints its own failure report after the ranks have exited, so no rank can print last: a child, out
-        # of the rank's process group (which torchrun stops), waits for torchrun to end and says it once more
+        # torchrun prints its own failure report after the ranks have exited, so no rank can print last: a child,
+        # out of the rank's process group (which torchrun stops), waits for torchrun to end and says it once more
         launcher = _os.getppid()
         if _os.fork() == 0:
             _os.setsid()
@@ -97,8 +97,8 @@ def _read_config_file(path):
         kind = "UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"Python ({e})"
         _config_error(f"config file '{path}' is not {kind}: {python}")
     for node in tree.body:  # assignments, or a call such as exec(open("config/t5_base.py").read()), or a docstring
-        if not (isinstance(node, (_ast.Assign, _ast.AugAssign)) or isinstance(node, _ast.AnnAssign) and node.value or
-                isinstance(node, _ast.Expr) and isinstance(node.value, (_ast.Call, _ast.Constant))):
+        if not (isinstance(node, (_ast.Assign, _ast.AugAssign)) or isinstance(node, _ast.AnnAssign) and node.value
+                or isinstance(node, _ast.Expr) and isinstance(node.value, (_ast.Call, _ast.Constant))):
             _config_error(f"config file '{path}' line {node.lineno} is not an assignment: {python}")
     settings = {}
     try:

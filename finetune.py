@@ -24,7 +24,8 @@ from optim import check_optimizer, make_optimizer, param_groups, train_step
 from prepare import load_tokenizer
 from runtime import (CHECKPOINTS, DTYPES, Logger, Sync, UserError, atomic_write, check_device, check_fsdp,
                      check_resume, checkpoint_state, claim_out_dir, load_checkpoint, load_model, micro_batch_size,
-                     print0, raw_model, restore_state, save_checkpoint, setup_runtime, unsharded_copy, wrap_model)
+                     print0, raw_model, reading, restore_state, save_checkpoint, setup_runtime, unsharded_copy,
+                     wrap_model)
 
 # -----------------------------------------------------------------------------
 # default config: nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data setup; `valid` as in train.py
@@ -105,12 +106,9 @@ def load_split(data_dir, split, max_num_instances_per_task, seed):
     if not os.path.isfile(split_file):
         raise UserError(f"no SNI split file {split_file}: get the data with "
                         f"`git clone https://github.com/allenai/natural-instructions {data_dir}`")
-    try:
-        with open(split_file, encoding="utf-8") as f:
-            task_names = [line.strip() for line in f if line.strip()]
-    except UnicodeDecodeError as e:
-        raise UserError(f"{split_file} is not UTF-8 text ({e.reason} at byte {e.start}): is {data_dir} a clone of "
-                        f"allenai/natural-instructions?") from None
+    with reading(split_file, f"{{path}} is not UTF-8 text ({{reason}}): is {data_dir} a clone of "
+                             f"allenai/natural-instructions?"), open(split_file, encoding="utf-8") as f:
+        task_names = [line.strip() for line in f if line.strip()]
     examples, skipped = [], []
     for name in task_names:
         task = read_task(os.path.join(data_dir, "tasks", name + ".json"))

@@ -1,6 +1,6 @@
 """
 The optimization of the nanoT5 recipe: AdamWScale (AdamW with each tensor's step scaled by its RMS), T5's Adafactor
-(the paper's baseline), the learning-rate schedules, and the training step that train.py, finetune.py and bench.py run.
+(the paper's baseline), the learning-rate schedules, and the training step train.py, finetune.py and bench.py run.
 """
 import math
 from contextlib import nullcontext

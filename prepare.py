@@ -141,7 +141,7 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
     if meta is None:  # a new folder: the source must give a document before anything is written
         if next(docs("train"), None) is None:
             raise UserError(f"{dataset} has no training documents (is it empty? documents are its non-empty "
-                            f"'{text_field}' values; local files also hold out one in {round(1 / val_fraction)} for val)")
+                            f"'{text_field}' values; local files hold out one in {round(1 / val_fraction)} for val)")
         os.makedirs(out_dir, exist_ok=True)
         meta = {"settings": settings, **_write_tokenizer(tokenizer, vocab_size, out_dir, docs), "val": [],
                 "shards": [], "complete": False}
@@ -610,12 +610,11 @@ class SpanCorruptionBatches:
         """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: slice micro_step * world_size +
         rank of the global batch of `step`, b = batch_size / (grad_accum_steps * world_size) rows"""
         b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
-        first = step * self.batch_size + (micro_step * world_size + rank) * b
-        windows = self._windows(np.arange(first, first + b))
+        rows = range((micro_step * world_size + rank) * b, (micro_step * world_size + rank + 1) * b)
+        windows = self._windows(step * self.batch_size + np.array(rows))
         shard = np.searchsorted(self.first_window, windows, side="right") - 1
         start = (windows - self.first_window[shard]) * self.raw_length
         raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shard, start)])  # (b, raw_length)
-        rows = range(first - step * self.batch_size, first - step * self.batch_size + b)
         rngs = [np.random.default_rng([self.seed, 1, step, r] if self.split == "train" else [2, step, r]) for r in rows]
         return tuple(torch.from_numpy(t).to(device) for t in span_corrupt(raw, *self.noise, rngs))
 
@@ -632,10 +631,11 @@ class Prefetcher:
     def __init__(self, data, grad_accum_steps, rank, world_size, device):
         self.data, self.grad_accum_steps, self.rank, self.world_size = data, grad_accum_steps, rank, world_size
         self.device = torch.device(device)
-        self.pool = ThreadPoolExecutor(1)
+        pin_on = {}
         if self.device.type == "cuda":  # the thread pins on this rank's GPU, not on GPU 0 (a context there per rank)
             gpu = torch.cuda.current_device() if self.device.index is None else self.device.index
-            self.pool = ThreadPoolExecutor(1, initializer=torch.cuda.set_device, initargs=(gpu,))
+            pin_on = dict(initializer=torch.cuda.set_device, initargs=(gpu,))
+        self.pool = ThreadPoolExecutor(1, **pin_on)
         self.next = (None, None)  # (step, future of its host micro-batches)
 
     def _host(self, step):

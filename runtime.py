@@ -86,6 +86,7 @@ def atomic_write(path, mode="wb"):
     except BaseException as e:
         with contextlib.suppress(OSError):
             f.close()  # flushes, which may fail again as the write did
+        with contextlib.suppress(OSError):
             os.remove(f.name)
         if write_failure(e) is None:
             raise
@@ -273,7 +274,8 @@ def shard_model(model, rt):
     mesh = init_device_mesh(rt.device_type, (rt.world_size,))
     policy = MixedPrecisionPolicy()
     if rt.dtype == "bfloat16":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      cast_forward_inputs=False)
     for name, module in model.named_modules():
         if name.endswith("relative_attention_bias"):
             fully_shard(module, mesh=mesh)
@@ -463,8 +465,8 @@ def load_checkpoint(path, program=None):
         else:
             state = torch.load(os.path.join(found, "state.pt"), map_location="cpu", weights_only=False)
             tensors = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
-            model = {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
-                     for key, md in tensors.items() if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+            model = {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype) for key, md in
+                     tensors.items() if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
             with warnings.catch_warnings():  # no_dist: each caller reads the whole model on its own
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load({"model": model}, checkpoint_id=found, no_dist=True)
@@ -513,7 +515,8 @@ def load_model(init_from, **overrides):
     """(T5, its checkpoint or None) from a checkpoint of train.py or finetune.py (a run's out_dir, its ckpt.pt or its
     directory of FSDP shards) or from Hugging Face weights (a Hub name or folder); overrides are T5Config fields."""
     for path in (init_from, os.path.join(init_from, "ckpt.pt"), os.path.join(init_from, "ckpt")):
-        if path.endswith(".pt") and os.path.isfile(path) or os.path.isfile(os.path.join(finished_dir(path), "state.pt")):
+        sharded = os.path.isfile(os.path.join(finished_dir(path), "state.pt"))
+        if path.endswith(".pt") and os.path.isfile(path) or sharded:
             break
     else:
         if not init_from.endswith(".pt"):
@@ -529,26 +532,21 @@ def load_model(init_from, **overrides):
 
 class Logger:
     """Appends one JSON object per event to out_dir/log.jsonl (rank 0 only), and to wandb when enabled. A resume first
-    drops the lines a killed run wrote after its last checkpoint, so the log reads as one run; a damaged line (a hand
-    edit: a kill damages only the last line) stops the resume and names it."""
+    drops what a killed run logged after its checkpoint; a damaged line (a kill damages only the last) stops it."""
 
     def __init__(self, out_dir, master=True, resume_step=None, wandb_log=False, wandb_project="nanoT5",
                  wandb_run_name=None, config=None):
         self.path, self.wandb = os.path.join(out_dir, "log.jsonl") if master else None, None
-        if not master:
-            return
-        os.makedirs(out_dir, exist_ok=True)
-        if resume_step is not None and os.path.exists(self.path):
+        if master and resume_step is not None and os.path.exists(self.path):
             kept = []
             with reading(self.path), open(self.path) as f:
                 for number, line in enumerate(f, 1):
-                    if line.endswith("\n"):  # a kill mid-write leaves half a line at the end: it goes too
-                        with reading(self.path, f"line {number} of {{path}} is damaged ({{reason}}): delete it"):
-                            step = json.loads(line).get("step", 0)
-                        kept += [line] if step <= resume_step else []
+                    with reading(self.path, f"line {number} of {{path}} is damaged ({{reason}}): delete that line"):
+                        if line.endswith("\n") and json.loads(line).get("step", 0) <= resume_step:
+                            kept.append(line)
             with atomic_write(self.path, "w") as f:
                 f.writelines(kept)
-        if wandb_log:
+        if master and wandb_log:
             import wandb
             self.wandb = wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 
@@ -566,43 +564,37 @@ class Logger:
 
 class Sync:
     """
-    Where the ranks of a run agree, and its clock. The loop calls agree() at its sync points (log and checkpoint
-    steps); one all-reduce there tells every rank whether any rank got SIGINT or SIGTERM, whether any loss or grad
-    norm since the last sync point was NaN or inf (then the run stops before it can save), rank 0's clock and the
-    mean loss. Between sync points nothing waits on the device or on another rank, so every rank stops, saves and
-    (under a time budget) sets the lr at the same step from the same numbers.
-    The clock counts training seconds, summed over resumes; time inside paused() (evaluation, saving) does not count.
+    Where the ranks of a run agree, at the sync points the loop chooses (log and checkpoint steps): one all-reduce of
+    a stop signal (SIGINT or SIGTERM on any rank), whether any loss or grad norm since the last was NaN or inf (the run
+    then stops before it can save), rank 0's clock and the mean loss. In between nothing waits for the device or
+    another rank, so every rank stops, saves and sets a time budget's lr at the same step, from the same numbers.
+    The clock counts training seconds, summed over resumes; time inside paused() (evaluation, saving) is left out.
     """
 
     def __init__(self, rt, ckpt_path, step, elapsed=0.0, budget_s=0.0):
         self.rt, self.ckpt_path, self.budget_s = rt, ckpt_path, budget_s
-        self.elapsed, self.step, self.seconds_per_step = elapsed, step, 0.0  # agreed at the last sync point
-        self.mark, self.paused_s, self.nonfinite = time.time(), 0.0, None  # this rank's own
-        self.stop, self.signalled = 0 < budget_s <= elapsed, False  # a resumed run may have spent its budget
-        self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def on_signal(self, signum, frame):
-        self.signalled = True  # the loop finishes its step, saves at the next sync point and exits cleanly
+        self.step, self.elapsed, self.per_step = step, elapsed, 0.0  # agreed at the last sync point
+        self.mark, self.paused_s, self.nonfinite, self.signalled = time.time(), 0.0, 0, False  # this rank's own
+        self.stop = 0 < budget_s <= elapsed  # a resumed run may have spent its budget
+        self.handlers = {s: signal.signal(s, lambda *_: setattr(self, "signalled", True))
+                         for s in (signal.SIGINT, signal.SIGTERM)}
 
     def clock(self, step):
         """training seconds after `step` steps, the same on every rank: the agreed reading, extrapolated"""
-        return self.elapsed + (step - self.step) * self.seconds_per_step
+        return self.elapsed + (step - self.step) * self.per_step
 
     @contextlib.contextmanager
     def paused(self):
         t0 = time.time()
-        try:
-            yield
-        finally:
-            self.paused_s += time.time() - t0
+        yield
+        self.paused_s += time.time() - t0
 
     def watch(self, loss, grad_norm):
-        """after every step: notes on the device, without waiting for it, whether loss or grad norm is NaN or inf"""
-        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-        self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
+        """after every step: counts on the device, without waiting for it, a loss or grad norm that is NaN or inf"""
+        self.nonfinite = self.nonfinite + ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
 
     def agree(self, step, loss):
-        """the all-reduce of a sync point: sets stop, returns the mean loss, and raises UserError if training diverged"""
+        """the all-reduce of a sync point: sets stop, returns the mean loss, raises UserError if training diverged"""
         now = time.time()
         reading = self.elapsed + now - self.mark - self.paused_s  # this rank's clock; rank 0's is the one used
         self.mark, self.paused_s = now, 0.0
@@ -618,9 +610,8 @@ class Sync:
                 self.ckpt_path) else "no checkpoint was written yet; start again"
             raise UserError(f"the loss or grad norm became NaN or inf between steps {self.step + 1} and {step}: "
                             f"training diverged; {kept} with a lower lr or grad_clip")
-        self.nonfinite, self.seconds_per_step = None, (reading - self.elapsed) / (step - self.step)
-        self.elapsed, self.step = reading, step
-        self.stop = bool(signalled) or 0 < self.budget_s <= reading
+        self.nonfinite, self.per_step = 0, (reading - self.elapsed) / (step - self.step)
+        self.step, self.elapsed, self.stop = step, reading, bool(signalled) or 0 < self.budget_s <= reading
         if signalled:
             print0(f"stopped by signal at step {step}")
         return loss

@@ -64,10 +64,16 @@ def data_dir(tmp_path_factory):
     return str(out)
 
 
-def test_tiny_config_learns(data_dir, tmp_path):
-    out = str(tmp_path / "out")
-    r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60",
-             "--eval_interval=60", "--checkpoint_interval=60"])
+@pytest.fixture(scope="module")
+def learned(data_dir, tmp_path_factory):
+    """the tiny config trained for 60 steps, with its checkpoint at the end: (out_dir, the finished process)"""
+    out = str(tmp_path_factory.mktemp("learned") / "out")
+    return out, run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60",
+                     "--eval_interval=60", "--checkpoint_interval=60"])
+
+
+def test_tiny_config_learns(learned):
+    out, r = learned
     assert r.returncode == 0, r.stderr
     losses = read_log(out)
     first, last = losses[1], sum(losses[s] for s in range(56, 61)) / 5
@@ -185,11 +191,17 @@ def test_two_ddp_ranks_match_one_process(data_dir, tmp_path):
 
 
 def test_bad_input_under_torchrun_reaches_the_user(data_dir):
-    # torch.distributed wraps the error hook once the process group is up; the one-line message must get through
+    # torch.distributed wraps the error hook once the process group is up; the one-line message must get through,
+    # and after torchrun's own failure report it is said once more, so that it is the last line
     r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
              "--data_dir=/nonexistent/c4", "--dataset=c4"])
     assert r.returncode != 0
     assert "[rank0]: error: /nonexistent/c4 holds no prepared data" in r.stderr, r.stderr
+    assert "ChildFailedError" in r.stderr  # torchrun's report comes first
+    assert r.stderr.strip().splitlines()[-1] == ("error: /nonexistent/c4 holds no prepared data (no meta.json): run "
+                                                 "e.g. `python prepare.py --dataset=c4 --out_dir=/nonexistent/c4` or "
+                                                 "`python prepare.py --dataset=pydoc --tokenizer=train "
+                                                 "--vocab_size=4000 --out_dir=/nonexistent/c4`")
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
@@ -273,8 +285,8 @@ def test_ddp_time_budget_with_slow_saves_ends_together(data_dir, tmp_path):
     # all-reduce. On one agreed clock both stop at the same step, with the same lr at every step, and exit cleanly.
     out = str(tmp_path / "out")
     r = run_patched(tmp_path, [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=1000000",
-                               "--time_budget_hours=0.0012", "--checkpoint_interval=1", "--eval_interval=1000000"],
-                    nproc=2, save_s=0.3)
+                               "--time_budget_hours=0.0012", "--checkpoint_interval=1", "--eval_interval=1000000",
+                               "--model=t5-tiny"], nproc=2, save_s=0.3)
     assert r.returncode == 0, r.stderr
     zero, one = rank_records(out, 2)
     assert zero["step"] == one["step"] > 2
@@ -402,11 +414,10 @@ def test_divergence_before_any_checkpoint_names_none(data_dir, tmp_path):
     assert "untouched" not in r.stderr and not os.path.exists(tmp_path / "ckpt.pt")
 
 
-def test_init_from_a_run_starts_a_new_run_from_its_weights(data_dir, tmp_path):
-    args = [*TINY, f"--data_dir={data_dir}", "--eval_interval=1000", "--checkpoint_interval=1000"]
-    first = str(tmp_path / "first")
-    assert run(["train.py", *args, f"--out_dir={first}", "--max_steps=40"]).returncode == 0
-    r = run(["train.py", *args, f"--out_dir={tmp_path / 'second'}", f"--init_from={first}", "--max_steps=2"])
+def test_init_from_a_run_starts_a_new_run_from_its_weights(data_dir, learned, tmp_path):
+    first = learned[0]
+    r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'second'}", f"--init_from={first}",
+             "--max_steps=2", "--eval_interval=1000"])
     assert r.returncode == 0 and "a new run from the weights of" in r.stdout, r.stderr
     # it starts where the first run ended, far below a fresh model's loss
     assert read_log(str(tmp_path / "second"))[1] < read_log(first)[1] - 1.0
@@ -419,13 +430,3 @@ def test_out_of_memory_is_one_line(tmp_path):
     r = run([str(script)])
     assert r.returncode == 1 and r.stderr.startswith("error: out of memory (") and "lower batch_size" in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
-
-
-def test_under_torchrun_the_error_is_the_last_line(data_dir):
-    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
-             "--data_dir=/nonexistent/c4", "--dataset=c4"])
-    assert r.returncode != 0 and "ChildFailedError" in r.stderr  # torchrun's own report comes first
-    assert r.stderr.strip().splitlines()[-1] == ("error: /nonexistent/c4 holds no prepared data (no meta.json): run "
-                                                 "e.g. `python prepare.py --dataset=c4 --out_dir=/nonexistent/c4` or "
-                                                 "`python prepare.py --dataset=pydoc --tokenizer=train "
-                                                 "--vocab_size=4000 --out_dir=/nonexistent/c4`")

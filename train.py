@@ -95,8 +95,10 @@ if dataset == "pydoc" and not os.path.exists(os.path.join(data_dir, "meta.json")
         torch.distributed.barrier()
 meta = load_meta(data_dir)
 # dataset, tokenizer and vocab_size say how data_dir is made: given with it or after it, they must be what it holds
-contradicted = [f"{key} {meta['settings'][key]!r}, not {config[key]!r}" for key in ("dataset", "tokenizer", "vocab_size")
-                if given_at.get(key, -1) >= given_at.get("data_dir", 0) and meta["settings"][key] not in (None, config[key])]
+described = [key for key in ("dataset", "tokenizer", "vocab_size")
+             if given_at.get(key, -1) >= given_at.get("data_dir", 0)]
+contradicted = [f"{key} {meta['settings'][key]!r}, not {config[key]!r}" for key in described
+                if meta["settings"][key] not in (None, config[key])]
 if contradicted:
     raise UserError(f"{data_dir} was prepared with {', '.join(contradicted)}: set those to the folder's values, or "
                     f"give another --data_dir")
@@ -128,7 +130,7 @@ ckpt = None  # free the checkpoint's copy of the weights
 data_args = (batch_size, input_length, noise_density, mean_noise_span_length, seed, raw_model(t5).config.vocab_size)
 train_data = SpanCorruptionBatches(data_dir, "train", *data_args)
 val_data = SpanCorruptionBatches(data_dir, "val", *data_args)
-train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank, rt.world_size, rt.device)  # builds step k+1 meanwhile
+train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank, rt.world_size, rt.device)  # builds k+1 meanwhile
 tokens_per_step = batch_size * (input_length + train_data.targets_length)
 step_flops = flops_per_step(raw_model(t5), batch_size, input_length, train_data.targets_length)
 print0(f"{batch_size} examples x ({input_length} input + {train_data.targets_length} target) tokens = "
@@ -136,7 +138,8 @@ print0(f"{batch_size} examples x ({input_length} input + {train_data.targets_len
 # how many noise spans a model that ignores its input gets right: span accuracy above it is context read
 common_fill, span_baseline = unigram_baseline(train_data, val_data, eval_steps)
 tok = load_tokenizer(meta)
-print0(f"span accuracy baseline {span_baseline:.4f}: always writing the commonest fill, {tok.decode(common_fill)!r}")
+print0(f"span accuracy baseline {span_baseline:.4f}: always writing the commonest fill, {tok.decode(common_fill)!r} "
+       f"(ids {list(common_fill)})")
 # two held-out examples every evaluation shows filled in: always the first two windows of val.bin, with the same noise
 demo_inputs, demo_labels = (t[:2] for t in val_data.get(0, device=rt.device))
 demo_tokens = max(shown_length(tok, labels) for labels in demo_labels.tolist())  # what the shown spans need
