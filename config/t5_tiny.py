@@ -1,6 +1,6 @@
 # The CPU demo: a 2M-parameter T5 learns Python's own documentation in about five minutes on 2 cores, no download.
 # python train.py config/t5_tiny.py    (the first run prepares data/pydoc itself, ~20 s)
-# Each value was chosen by a search of 10 configurations, 5 minutes each (README, "The CPU demo").
+# The values come from a search of 10 configurations, 5 minutes each (README, "The CPU demo").
 out_dir = "out/t5_tiny"
 data_dir = "data/pydoc"
 dataset = "pydoc"  # pydoc topics + standard-library docstrings, ~2 MB of English that ships with Python
@@ -10,7 +10,7 @@ model = "t5-mini"  # d_model 128, 3+3 layers: 2.4k steps in 5 minutes, 3.3x t5-t
 
 input_length = 128  # 141 raw tokens -> 128 input + 29 target tokens; 64 learns faster but shows spans less context
 batch_size = 16  # 16 * (128 + 29) = 2,512 tokens/step; 32 at the same lr ended higher (3.61)
-max_steps = 2000  # 2000 * 16 * 141 = 4.5M raw tokens, about 6 passes over the corpus, ~4 minutes
+max_steps = 2000  # 2000 * 16 * 141 = 4.5M raw tokens, about 6 passes over the corpus: ~5 minutes
 lr = 3e-2
 warmup_steps = 120
 min_lr = 1e-4
