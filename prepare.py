@@ -3,7 +3,7 @@ Turns a text corpus into uint16 token shards for T5 pre-training, and reads them
     python prepare.py                                               # C4 en, streamed, T5's tokenizer
     python prepare.py --dataset=c4 --max_train_tokens=4_800_000_000 # just what nanoT5's recipe consumes
     python prepare.py --dataset=my_corpus.jsonl.gz --tokenizer=train --vocab_size=16000 --out_dir=data/mine
-    python prepare.py --dataset=pydoc --tokenizer=train --vocab_size=4000 --out_dir=data/pydoc  # offline
+    python prepare.py --dataset=pydoc --tokenizer=train --vocab_size=1000 --out_dir=data/pydoc  # offline
 out_dir gets train_000.bin, train_001.bin, ... (shard_tokens ids each, every document ending with EOS), val.bin, the
 tokenizer and meta.json, the folder's one state file: the same command continues a killed run, and rebuilds what was
 damaged since. The file reads: span corruption, prepare(), the sources and tokenizers, then reading a folder back.
@@ -500,7 +500,7 @@ def load_meta(data_dir):
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         raise UserError(f"{data_dir} holds no prepared data (no meta.json): run e.g. `python prepare.py "
                         f"--dataset=c4 --out_dir={data_dir}` or `python prepare.py --dataset=pydoc --tokenizer=train "
-                        f"--vocab_size=4000 --out_dir={data_dir}`")
+                        f"--vocab_size=1000 --out_dir={data_dir}`")
     meta = _read_meta(os.path.join(data_dir, "meta.json"))
     if not meta["complete"]:
         raise UserError(f"{data_dir} is not completely prepared: finish it with "

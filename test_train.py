@@ -201,7 +201,7 @@ def test_bad_input_under_torchrun_reaches_the_user(data_dir):
     assert r.stderr.strip().splitlines()[-1] == ("error: /nonexistent/c4 holds no prepared data (no meta.json): run "
                                                  "e.g. `python prepare.py --dataset=c4 --out_dir=/nonexistent/c4` or "
                                                  "`python prepare.py --dataset=pydoc --tokenizer=train "
-                                                 "--vocab_size=4000 --out_dir=/nonexistent/c4`")
+                                                 "--vocab_size=1000 --out_dir=/nonexistent/c4`")
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
