@@ -519,9 +519,13 @@ def load_model(init_from, **overrides):
         if path.endswith(".pt") and os.path.isfile(path) or sharded:
             break
     else:
-        if not init_from.endswith(".pt"):
+        if init_from.endswith(".pt"):
+            path = init_from  # a missing one: load_checkpoint names it
+        elif not os.path.exists(init_from) and os.path.isdir(os.path.dirname(init_from)):  # a path, not a Hub id
+            raise UserError(f"{init_from} does not exist: pass a run of train.py or finetune.py (its out_dir, ckpt.pt "
+                            f"or ckpt/), a folder with Hugging Face weights, or a Hub name")
+        else:
             return T5.from_pretrained(init_from, **overrides), None
-        path = init_from  # a missing .pt: load_checkpoint names it
     ckpt = load_checkpoint(path)
     with reading(path, "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"):
         return T5.from_checkpoint(ckpt, **overrides), ckpt

@@ -140,6 +140,8 @@ CASES = [
     ("prepare csv", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/data.csv"], "data.csv is not a .txt/"),
     ("prepare bad line late", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/late.jsonl",
                                "--tokenizer={data}/tokenizer.model"], "on line 30001"),
+    ("finetune init_from a missing folder", [*FINETUNE, "--out_dir={tmp}/out", "--init_from={tmp}/run"],
+     "run does not exist: pass a run of train.py or finetune.py"),
 ]
 OWN_COPIES = ("run", "ftrun", "prepared", "sharded")
 
