@@ -201,6 +201,11 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
         losses = [rec["loss"] for rec in map(json.loads, f) if "loss" in rec]
     assert len(losses) == 5  # 20 train examples / batch 4, one epoch
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 5
+    # sample.py takes a fine-tuned run as it takes a pre-trained one, with the tokenizer its checkpoint names
+    sampled = subprocess.run([sys.executable, "sample.py", f"--init_from={out}", "--text=red <extra_id_0> blue",
+                              "--device=cpu", "--max_new_tokens=4"], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert sampled.returncode == 0 and "model: red [" in sampled.stdout, sampled.stderr
 
     with open(os.path.join(out, "predictions.jsonl")) as f:
         records = [json.loads(line) for line in f]
