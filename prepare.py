@@ -292,9 +292,10 @@ def documents(dataset, split, text_field="text", val_fraction=0.005):
         repo_id, config_name = ("allenai/c4", "en") if name == "c4" else (dataset, None)
         hub_check(repo_id, "dataset", "use --dataset=pydoc (offline) or a local file")
         splits = datasets.load_dataset(repo_id, config_name, streaming=True)
-        if "validation" in splits:
-            splits["train"], val_fraction = splits["train" if split == "train" else "validation"], 1.0
-        texts = _column(splits["train"], text_field)
+        if "validation" in splits:  # the dataset's own: nothing is held out of train
+            texts, val_fraction = _column(splits["train" if split == "train" else "validation"], text_field), 1.0
+        else:
+            texts = _column(splits["train"], text_field)
     docs = (text.strip() for text in texts if text and text.strip())
     every = max(2, round(1 / val_fraction)) if val_fraction < 1 else None
     return docs if every is None else (d for i, d in enumerate(docs) if (i % every == 0) == (split == "val"))

@@ -389,9 +389,10 @@ def check_resume(ckpt, path, config, meta, fixed):
     def differences(keys):
         return [f"{key} {saved[key]!r} -> {current[key]!r}" for key in keys
                 if key in saved and key in current and saved[key] != current[key]]
-    if differences(fixed):
+    wrong = differences(fixed)
+    if wrong:
         raise UserError(f"--init_from=resume continues the run in {path}, which had other settings "
-                        f"({', '.join(differences(fixed))}): set them back, or start a new run in another --out_dir")
+                        f"({', '.join(wrong)}): set them back, or start a new run in another --out_dir")
     changed = differences(key for key in current if key not in fixed and key != "init_from")
     print0(f"resuming from {path} at step {ckpt['step']}" + (f"; changed on resume: {', '.join(changed)}"
                                                              if changed else ""))
@@ -600,22 +601,22 @@ class Sync:
     def agree(self, step, loss):
         """the all-reduce of a sync point: sets stop, returns the mean loss, raises UserError if training diverged"""
         now = time.time()
-        reading = self.elapsed + now - self.mark - self.paused_s  # this rank's clock; rank 0's is the one used
+        clock_s = self.elapsed + now - self.mark - self.paused_s  # this rank's clock; rank 0's is the one used
         self.mark, self.paused_s = now, 0.0
         device = loss.device if self.rt.ddp else "cpu"  # the backend's device; and MPS has no float64
         shared = torch.stack([self.nonfinite.float(), loss.detach().float() / self.rt.world_size]).to(device).double()
-        host = torch.tensor([self.signalled, reading * self.rt.master], dtype=torch.float64, device=device)
+        host = torch.tensor([self.signalled, clock_s * self.rt.master], dtype=torch.float64, device=device)
         shared = torch.cat([shared, host])
         if self.rt.ddp:
             torch.distributed.all_reduce(shared)  # a sum: a flag raised anywhere, rank 0's clock, the mean loss
-        nonfinite, loss, signalled, reading = shared.tolist()  # the one wait for the device since the last sync point
+        nonfinite, loss, signalled, clock_s = shared.tolist()  # the one wait for the device since the last sync point
         if nonfinite:
             kept = f"{self.ckpt_path} (the last good checkpoint) is untouched; resume from it" if os.path.exists(
                 self.ckpt_path) else "no checkpoint was written yet; start again"
             raise UserError(f"the loss or grad norm became NaN or inf between steps {self.step + 1} and {step}: "
                             f"training diverged; {kept} with a lower lr or grad_clip")
-        self.nonfinite, self.per_step = 0, (reading - self.elapsed) / (step - self.step)
-        self.step, self.elapsed, self.stop = step, reading, bool(signalled) or 0 < self.budget_s <= reading
+        self.nonfinite, self.per_step = 0, (clock_s - self.elapsed) / (step - self.step)
+        self.step, self.elapsed, self.stop = step, clock_s, bool(signalled) or 0 < self.budget_s <= clock_s
         if signalled:
             print0(f"stopped by signal at step {step}")
         return loss
