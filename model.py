@@ -12,10 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 class UserError(Exception):
     """Bad input from the user: the message is one line saying what is wrong and how to fix it."""
-
 
 @dataclasses.dataclass
 class T5Config:
@@ -47,7 +45,6 @@ class T5Config:
             raise UserError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
-
 # shapes from the t5x gin files; 't5-mini' and 't5-tiny' are small enough to train on a laptop CPU
 PRESETS = {
     't5-mini': dict(d_model=128, d_ff=384, num_heads=4, d_kv=32, num_layers=3, num_decoder_layers=3),
@@ -58,7 +55,6 @@ PRESETS = {
     't5-v1_1-xl': dict(d_model=2048, d_ff=5120, num_heads=32, d_kv=64, num_layers=24, num_decoder_layers=24),
     't5-v1_1-xxl': dict(d_model=4096, d_ff=10240, num_heads=64, d_kv=64, num_layers=24, num_decoder_layers=24),
 }
-
 
 def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
     """key_position - query_position -> bucket id: half the buckets are exact offsets, half logarithmically wider up
@@ -76,7 +72,6 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
     large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
     return bucket + torch.where(distance < max_exact, distance, large)
 
-
 class RMSNorm(nn.Module):
     """T5's layer norm: scale only, no mean subtraction, no bias, variance in fp32 even under autocast."""
     def __init__(self, dim, eps):
@@ -86,7 +81,6 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         x = x.float()
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
 
 class KVCache(nn.Module):
     """Self-attention k, v of the tokens decoded so far, in buffers sized up front: every step has the same shapes."""
@@ -100,10 +94,9 @@ class KVCache(nn.Module):
         self.v_cache.index_copy_(2, pos, v)
         return self.k_cache, self.v_cache
 
-
 class Attention(nn.Module):
-    """Multi-head attention without the 1/sqrt(d_kv) scaling, which T5 folds into the init of q. q, k, v stay separate
-    parameters: AdamWScale and Adafactor scale updates by each tensor's RMS, and q starts 8x smaller than k and v."""
+    """Multi-head attention without the 1/sqrt(d_kv) scaling, which T5 folds into q's init. q, k, v stay separate
+    parameters: the optimizers scale each tensor's update by its RMS, and q starts 8x smaller than k and v."""
     def __init__(self, config, has_relative_attention_bias=False, bidirectional=True):
         super().__init__()
         self.d_kv, self.bidirectional, self.dropout = config.d_kv, bidirectional, config.dropout
@@ -115,22 +108,21 @@ class Attention(nn.Module):
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
             self.buckets = (config.relative_attention_num_buckets, config.relative_attention_max_distance)
 
-    def position_bias(self, query_positions, key_positions):
-        """The learned bias (1, nh, Tq, Tk), fp32; contiguous, or the attention kernel copies it in every layer."""
+    def position_bias(self, query_positions, key_positions):  # (1, nh, Tq, Tk), contiguous for the attention kernel
         buckets = relative_position_bucket(key_positions[None, :] - query_positions[:, None], self.bidirectional,
                                            *self.buckets)
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0).contiguous()
 
     def forward(self, x, mask, kv=None, pos=None):
-        """mask: position bias plus -large where not allowed, (B, nh, T, Tk) or broadcastable. kv: the encoder's (k, v),
-        for cross-attention. pos: decoding, x's positions (T,) in kv_cache; x attends to the whole cache."""
+        """mask: position bias, -large where not allowed, (B, nh, T, Tk) or broadcastable. kv: the encoder's (k, v),
+        for cross-attention. pos: decoding, x's positions (T,) in kv_cache."""
         B, T, _ = x.shape
         if kv is not None:
             q, (k, v) = self.q(x).view(B, T, -1, self.d_kv).transpose(1, 2), kv  # (B, nh, T, hs)
         else:
-            if pos is None:  # one GEMM over the concatenated weights runs faster than three
+            if pos is None:  # one GEMM over the concatenated weights is faster than three
                 q, k, v = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight])).chunk(3, dim=-1)
-            else:  # a decoding step's few rows only stream the weights: copying them into one would cost more
+            else:  # a decoding step's few rows: concatenating the weights would cost more than it saves
                 q, k, v = self.q(x), self.k(x), self.v(x)
             q, k, v = [t.view(B, T, -1, self.d_kv).transpose(1, 2) for t in (q, k, v)]  # (B, nh, T, hs)
             if pos is not None:
@@ -138,7 +130,6 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, nh*hs) -> (B, T, d_model)
-
 
 class GatedGELU(nn.Module):
     """v1.1's feed-forward: gelu(x @ wi_0) * (x @ wi_1) @ wo, with the tanh approximation of GELU."""
@@ -150,7 +141,6 @@ class GatedGELU(nn.Module):
 
     def forward(self, x):
         return self.wo(self.dropout(F.gelu(self.wi_0(x), approximate='tanh') * self.wi_1(x)))
-
 
 class EncoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
@@ -164,7 +154,6 @@ class EncoderBlock(nn.Module):
     def forward(self, x, mask):
         x = x + self.dropout(self.attn(self.ln_1(x), mask))
         return x + self.dropout(self.ff(self.ln_2(x)))
-
 
 class DecoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
@@ -182,13 +171,11 @@ class DecoderBlock(nn.Module):
         x = x + self.dropout(self.cross_attn(self.ln_2(x), cross_mask, kv=encoder_kv))
         return x + self.dropout(self.ff(self.ln_3(x)))
 
-
 def padding_mask(attention_mask, dtype):
-    """(B, S), 0 at padding -> additive (B, 1, 1, S): the dtype's minimum there (not -inf: no NaN rows), else 0."""
+    """(B, S), 0 at padding -> additive (B, 1, 1, S): the dtype's minimum there (not -inf: no NaN rows)."""
     if attention_mask is not None:
         padded = attention_mask[:, None, None, :] == 0
         return torch.zeros(padded.shape, dtype=dtype, device=padded.device).masked_fill(padded, torch.finfo(dtype).min)
-
 
 class Stack(nn.Module):
     """The encoder or the decoder; only the first block owns a position bias table, which every block then uses."""
@@ -197,7 +184,6 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList([block(config, i == 0) for i in range(num_layers)])
         self.ln_f = RMSNorm(config.d_model, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
-
 
 class Encoder(Stack):
     def forward(self, x, attention_mask, dtype):  # x: the token embeddings (B, S, d_model)
@@ -210,16 +196,14 @@ class Encoder(Stack):
             x = block(x, mask)
         return self.dropout(self.ln_f(x))
 
-
 class Decoder(Stack):
     def encoder_kv(self, encoder_out):
-        """Every layer's cross-attention (k, v), (B, nh, S, hs) each, in one matmul over all layers' weights; copied
-        contiguous on CPU only, whose attention kernel reads strided k, v slower (CUDA's take the views as they are)."""
+        """Every layer's cross-attention (k, v), (B, nh, S, hs) each, in one matmul over all layers' weights."""
         B, S, _ = encoder_out.shape
         weight = torch.cat([w for b in self.blocks for w in (b.cross_attn.k.weight, b.cross_attn.v.weight)])
         kv = F.linear(encoder_out, weight).view(B, S, 2 * len(self.blocks), -1, self.blocks[0].cross_attn.d_kv)
         kv = kv.permute(2, 0, 3, 1, 4)  # (B, S, 2L, nh, hs) -> (2L, B, nh, S, hs)
-        kv = kv.contiguous() if kv.device.type == 'cpu' else kv
+        kv = kv.contiguous() if kv.device.type == 'cpu' else kv  # the CPU kernel reads strided k, v slower
         return list(zip(kv[0::2], kv[1::2]))
 
     def forward(self, x, encoder_kv, cross_mask, decoder_attention_mask, dtype, pos=None):
@@ -236,15 +220,13 @@ class Decoder(Stack):
             x = block(x, mask, cross_mask, kv, pos)
         return self.dropout(self.ln_f(x))
 
-
 def check_ids(name, ids, like=None):
-    """Shape and dtype only, no values: checking id < vocab would cost a GPU sync every step."""
+    """Shape and dtype only: checking id < vocab would cost a GPU sync every step."""
     if ids is not None and (not torch.is_tensor(ids) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2):
         what = f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if torch.is_tensor(ids) else type(ids).__name__
         raise UserError(f"{name} must be a 2-D int64 tensor (batch, length), got a {what}")
     if ids is not None and like is not None and ids.shape != like.shape:
         raise UserError(f"{name} has shape {tuple(ids.shape)} but its ids have shape {tuple(like.shape)}")
-
 
 class T5(nn.Module):
     def __init__(self, config):
@@ -260,8 +242,8 @@ class T5(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Mesh-TensorFlow's init: matrices N(0, 1/fan_in), q's std also taking the 1/sqrt(d_kv) attention leaves out;
-        embeddings N(0, 1). An untied lm_head gets t5x's d_model**-0.5, not HF's 1.0 (which starts at a loss > 100)."""
+        """Mesh-TensorFlow's init: matrices N(0, 1/fan_in), q also taking the 1/sqrt(d_kv) attention leaves out;
+        embeddings N(0, 1); an untied lm_head t5x's d_model**-0.5, not HF's 1.0 (which starts at a loss > 100)."""
         c = self.config
         for name, p in self.named_parameters():  # a tied lm_head is shared.weight, initialised once as that
             if p.dim() == 1:  # RMSNorm
@@ -292,7 +274,7 @@ class T5(nn.Module):
         if decoder_input_ids.size(0) != input_ids.size(0):
             raise UserError(f"input_ids hold {input_ids.size(0)} rows, the decoder's ids {decoder_input_ids.size(0)}")
         dtype = self.compute_dtype(input_ids.device)
-        # one lookup for both stacks: the backward then builds one dense (vocab, d_model) gradient, not two to add
+        # one lookup for both stacks: the backward builds one dense (vocab, d_model) gradient, not two
         S, T = input_ids.size(1), decoder_input_ids.size(1)
         encoder_in, decoder_in = self.shared(torch.cat([input_ids, decoder_input_ids], dim=1)).split([S, T], dim=1)
         encoder_kv = self.decoder.encoder_kv(self.encoder(encoder_in, attention_mask, dtype))
@@ -309,9 +291,8 @@ class T5(nn.Module):
 
     @torch.no_grad()  # not inference_mode, under which autocast re-casts every weight at every step
     def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0, top_k=None, compile=False):
-        """Up to max_new_tokens ids per row (B, <= max_new_tokens), no start token, pad after EOS: greedy at temperature
-        0, else sampled (from the top_k likeliest). The encoder and the cross-attention k/v run once, self-attention
-        k/v go into KVCaches. compile=True runs decode_step through torch.compile (compiled once per batch shape)."""
+        """Up to max_new_tokens ids per row, no start token, pad after EOS: greedy at temperature 0, else sampled from
+        the top_k likeliest. The encoder and cross-attention k/v run once; compile=True compiles decode_step."""
         check_ids('input_ids', input_ids)
         check_ids('attention_mask', attention_mask, like=input_ids)
         c, B, device, dtype = self.config, input_ids.size(0), input_ids.device, self.compute_dtype(input_ids.device)
@@ -346,7 +327,7 @@ class T5(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_dir, **overrides):
         """A gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5) from a Hub id or a folder with config.json and
-        model.safetensors (or pytorch_model.bin); overrides are T5Config fields, e.g. dropout=0.1 to fine-tune."""
+        model.safetensors (or pytorch_model.bin); overrides are T5Config fields."""
         folder = name_or_dir if os.path.isdir(name_or_dir) else _download(name_or_dir)
         with open(os.path.join(folder, 'config.json')) as f:
             hf = json.load(f)
@@ -357,8 +338,7 @@ class T5(nn.Module):
         fields = {f.name: hf[_HF_CONFIG_NAMES.get(f.name, f.name)] for f in dataclasses.fields(T5Config)
                   if hf.get(_HF_CONFIG_NAMES.get(f.name, f.name)) is not None}
         fields.setdefault('num_decoder_layers', fields['num_layers'])
-        # transformers 5.x says tie_word_embeddings=true even when untied: the weights decide tying, and the output
-        # scaling comes from scale_decoder_outputs, or without it from the config's tie_word_embeddings
+        # transformers 5.x says tie_word_embeddings=true even when untied: the weights decide tying
         shared, lm_head = state_dict['shared.weight'], state_dict.get('lm_head.weight', state_dict['shared.weight'])
         fields['tie_word_embeddings'] = lm_head is shared or torch.equal(lm_head, shared)
         fields.setdefault('scale_decoder_outputs', hf.get('tie_word_embeddings', True))
@@ -370,7 +350,7 @@ class T5(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, ckpt, **overrides):
-        """The model in a train.py or finetune.py checkpoint (a dict from load_checkpoint), e.g. dropout=0.1."""
+        """The model in a checkpoint of train.py or finetune.py (a dict from load_checkpoint)."""
         model = cls(T5Config(**{**ckpt['model_config'], **overrides}))
         return model.load_weights(ckpt['model'], "the checkpoint's weights do not match its model config")
 
@@ -393,24 +373,22 @@ class T5(nn.Module):
                   use_cache=True, scale_decoder_outputs=c.output_scaling != 1.0)
         os.makedirs(folder, exist_ok=True)
         for name, data in (('model.safetensors', save(tensors, metadata={'format': 'pt'})),
-                           ('config.json', json.dumps(hf, indent=2).encode())):  # a crash never leaves half a file:
+                           ('config.json', json.dumps(hf, indent=2).encode())):
             path = os.path.join(folder, name)
-            with open(path + '.tmp', 'wb') as f:  # written under a temporary name, then renamed
+            with open(path + '.tmp', 'wb') as f:  # then renamed: a crash never leaves half a file
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(path + '.tmp', path)
 
-
 # T5Config fields that Hugging Face's config.json names differently; all others have the same name
 _HF_CONFIG_NAMES = {'dropout': 'dropout_rate', 'layer_norm_eps': 'layer_norm_epsilon'}
-# our block sub-modules -> Hugging Face's; the parameters inside them (q, k, v, o, wi_0...) have the same names
+# our block sub-modules -> Hugging Face's; the parameters inside them have the same names
 _HF_SUBLAYERS = dict(ln_1='layer.0.layer_norm', attn='layer.0.SelfAttention', self_attn='layer.0.SelfAttention',
                      ln_2='layer.1.layer_norm', cross_attn='layer.1.EncDecAttention', ln_3='layer.2.layer_norm')
 # copies of shared.weight, and a cross-attention bias table that old checkpoints carry but T5 never uses
 _HF_REDUNDANT = {'encoder.embed_tokens.weight', 'decoder.embed_tokens.weight',
                  'decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight'}
-
 
 def _hf_names(model):  # e.g. decoder.blocks.3.cross_attn.k.weight -> decoder.block.3.layer.1.EncDecAttention.k.weight
     for name in model.state_dict():
@@ -421,7 +399,6 @@ def _hf_names(model):  # e.g. decoder.blocks.3.cross_attn.k.weight -> decoder.bl
         else:  # ln_f, shared, lm_head
             yield name, name.replace('ln_f', 'final_layer_norm')
 
-
 def _download(repo_id):
     if os.path.exists(repo_id) or repo_id.startswith(('.', '/', '~')) or repo_id.count('/') != 1:
         raise UserError(f"{repo_id} is not a folder with a Hugging Face checkpoint, nor a Hub id like t5-v1_1-small")
@@ -430,11 +407,10 @@ def _download(repo_id):
         folder = snapshot_download(repo_id, allow_patterns=['config.json', '*.safetensors'], etag_timeout=5)
         if not glob.glob(os.path.join(folder, '*.safetensors')):
             folder = snapshot_download(repo_id, allow_patterns=['config.json', 'pytorch_model*.bin'], etag_timeout=5)
-    except Exception as e:  # offline, unknown repo, gated repo, no huggingface_hub: all end the same way
+    except Exception as e:  # offline, unknown or gated repo, no huggingface_hub
         raise UserError(f"could not get {repo_id} from the Hugging Face Hub ({type(e).__name__}); pass a local "
                         f"folder with config.json and model.safetensors (or pytorch_model.bin) instead")
     return folder
-
 
 def _read_weights(folder):  # all tensors of the checkpoint in folder (sharded or not), safetensors preferred
     files = sorted(glob.glob(f'{folder}/*.safetensors')) or sorted(glob.glob(f'{folder}/pytorch_model*.bin'))

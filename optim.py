@@ -1,6 +1,6 @@
 """
-The optimization of the nanoT5 recipe: AdamWScale (AdamW with each tensor's step scaled by its RMS), T5's Adafactor
-(the paper's baseline), the learning-rate schedules, and the training step train.py, finetune.py and bench.py run.
+nanoT5's optimizers, AdamWScale and Adafactor (the paper's baseline), the learning-rate schedules, and the training
+step that train.py, finetune.py and bench.py run.
 """
 import math
 from contextlib import nullcontext
@@ -10,16 +10,12 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from runtime import UserError, set_gradient_sync
 
-
-def rms(t):
-    # of a DTensor (an FSDP shard), the whole tensor's: DTensor sums the squares over the ranks
+def rms(t):  # of a DTensor (an FSDP shard), the whole tensor's
     return t.norm() / math.sqrt(t.numel())
-
 
 def local(tensors):
     """this rank's slices of DTensors, as plain tensors sharing their memory; plain tensors as they are"""
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-
 
 def norms(tensors):
     """each tensor's 2-norm, as 0-d tensors; a DTensor's is the whole tensor's, in one all-reduce for the list"""
@@ -29,23 +25,20 @@ def norms(tensors):
     torch.distributed.all_reduce(squares, group=tensors[0].device_mesh.get_group())
     return list(squares.sqrt_().unbind())
 
-
 def zeros_like_mean(t, dim):
-    """zeros shaped like t.mean(dim); of a DTensor laid out as that mean once summed over the ranks: sliced for an
-    FSDP-sharded matrix's row means, whole on every rank for its column means"""
+    """zeros shaped like t.mean(dim); of a DTensor, laid out as that mean summed over the ranks (row means stay
+    sliced, column means are whole on every rank)"""
     mean = t.mean(dim=dim)
     if isinstance(mean, DTensor):
         mean = mean.redistribute(placements=[Replicate() if p.is_partial() else p for p in mean.placements])
     return torch.zeros_like(mean)
 
-
 def closure_loss(closure):
-    """torch.optim's contract for step(closure): re-evaluate the model with grad on, and return the loss"""
+    """torch.optim's contract for step(closure): re-evaluate the model with grad on"""
     if closure is None:
         return None
     with torch.enable_grad():
         return closure()
-
 
 class AdamWScale(torch.optim.Optimizer):
     """
@@ -55,14 +48,12 @@ class AdamWScale(torch.optim.Optimizer):
         v = b2*v + (1-b2)*g^2
         p -= lr * sqrt(1-b2^t)/(1-b1^t) * max(1e-3, RMS(p)) * m / (sqrt(v) + eps)   # RMS(p) before this update
         p -= lr * wd * p                                                              # decoupled, only if wd > 0
-    Each line runs over all tensors of a param group at once (torch._foreach_*), as torch.optim.AdamW(foreach=True)
-    does. Under FSDP p is a DTensor of which each rank holds a slice: RMS(p) is the whole tensor's (one all-reduce for
-    all tensors of a group), and the elementwise lines run on the slices.
+    Each line runs over all tensors of a group at once (torch._foreach_*). Under FSDP each rank holds a slice of p:
+    RMS(p) is the whole tensor's (one all-reduce per group), the elementwise lines run on the slices.
     """
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.scratch = {}  # param -> buffer for sqrt(v); not optimizer state, so not in checkpoints
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -94,28 +85,14 @@ class AdamWScale(torch.optim.Optimizer):
             torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-            if params[0].device.type == "cpu":
-                # on the host a fresh param-sized tensor every step costs more in page faults than the sqrt itself
-                # (2x the whole step for t5-v1_1-small), so sqrt(v) goes into buffers kept across steps
-                for p in params:
-                    if p not in self.scratch:
-                        self.scratch[p] = torch.empty_like(p)
-                denoms = local([self.scratch[p] for p in params])
-                torch._foreach_copy_(denoms, exp_avg_sqs)
-                torch._foreach_sqrt_(denoms)
-                torch._foreach_add_(denoms, eps)
-                # and reading the step sizes costs nothing, so they go in as per-tensor scalars
-                torch._foreach_addcdiv_(slices, exp_avgs, denoms, torch.stack(step_sizes).neg_())
-            else:
-                denoms = torch._foreach_sqrt(exp_avg_sqs)  # the caching allocator makes this buffer free on a GPU
-                torch._foreach_add_(denoms, eps)
-                # reading the step sizes from a GPU would make the host wait for it; one more pass divides them in
-                torch._foreach_div_(denoms, step_sizes)
-                torch._foreach_addcdiv_(slices, exp_avgs, denoms, value=-1.0)
+            denoms = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_add_(denoms, eps)
+            # the step sizes stay on the device (reading them would make the host wait): one more pass divides them in
+            torch._foreach_div_(denoms, step_sizes)
+            torch._foreach_addcdiv_(slices, exp_avgs, denoms, value=-1.0)
             if weight_decay > 0:
                 torch._foreach_mul_(slices, 1 - lr * weight_decay)
         return loss
-
 
 class Adafactor(torch.optim.Optimizer):
     """
@@ -127,10 +104,8 @@ class Adafactor(torch.optim.Optimizer):
         u = g / sqrt(V)
         u = u / max(1, RMS(u) / clip_threshold)
         p -= lr * max(eps2, RMS(p)) * (u + weight_decay * p)      # RMS(p) before this update
-    (torch.optim.Adafactor differs: its step is always capped at 1/sqrt(t), V is clamped rather than offset by eps1,
-    and weight decay is scaled by lr.)
-    Under FSDP p is a DTensor sliced along dim 0, and the lines above run as DTensor ops, which sum over the ranks
-    where the whole tensor is needed: the column means, the mean of R, RMS(u) and RMS(p); the row means are local.
+    (torch.optim.Adafactor differs: it caps the step at 1/sqrt(t), clamps V and scales weight decay by lr.)
+    Under FSDP the lines run as DTensor ops, which sum over the ranks where the whole tensor is needed.
     """
 
     def __init__(self, params, lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.0):
@@ -173,13 +148,12 @@ class Adafactor(torch.optim.Optimizer):
                 p.sub_(update.mul_(step_size))
         return loss
 
-
 def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min_lr):
     """
     The learning rate after `step` optimizer steps (fractional under a time budget) of max_steps.
     cosine: linear warmup from warmup_start_factor*lr to lr, then half a cosine down to min_lr at max_steps.
     inverse_sqrt: nanoT5's "legacy" T5 schedule, min(lr, 1/sqrt(step)), then linear from its value at 90% of the run
-        down to 0. With T5's lr of 1e-2 it is flat for 10,000 steps, which stands in for a warmup.
+        down to 0 (with T5's lr of 1e-2, flat for 10,000 steps: its warmup).
     constant: lr throughout.
     """
     if schedule == "constant":
@@ -199,45 +173,39 @@ def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min
         return min(lr, 1 / math.sqrt(step)) if step > 0 else lr
     return min(lr, 1 / math.sqrt(decay_start)) * (max_steps - step) / (max_steps - decay_start)
 
-
 LR_SCHEDULES = ("cosine", "inverse_sqrt", "constant")
 
-
 def param_groups(model, weight_decay, no_decay=("ln_",)):
-    """Two param groups: weight decay for most weights, none for those whose name contains one of no_decay, by
-    default the RMSNorm scales (ln_*), which decay would pull towards 0 rather than regularise."""
+    """Two param groups: weight decay, and none for names containing one of no_decay (the RMSNorm scales, which
+    decay would pull towards 0 rather than regularise)."""
     decayed, not_decayed = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (not_decayed if any(s in name for s in no_decay) else decayed).append(p)
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": not_decayed, "weight_decay": 0.0}]
 
-
 OPTIMIZERS = ("adamwscale", "adafactor", "adamw")
-
 
 def check_optimizer(name):
     """configurator.py's rule for `optimizer`"""
     if name not in OPTIMIZERS:
         raise UserError(f"unknown optimizer '{name}': use one of {', '.join(OPTIMIZERS)}")
 
-
 def make_optimizer(name, groups, lr):
-    """One of OPTIMIZERS, by name (train.py's `optimizer` config key); each group's weight_decay from param_groups."""
+    """One of OPTIMIZERS by name; each group's weight_decay from param_groups."""
     if name == "adamwscale":
         return AdamWScale(groups, lr=lr)
     if name == "adafactor":
         return Adafactor(groups, lr=lr)
-    # adamw: eps 1e-6 is HF AdamW's, the one nanoT5 ran; fused does the whole step in one kernel per chunk of tensors
+    # adamw: eps 1e-6 is HF AdamW's, which nanoT5 ran
     device_type = next(p for g in groups for p in g["params"]).device.type
     return torch.optim.AdamW(groups, lr=lr, eps=1e-6, fused=device_type in ("cuda", "cpu"))
-
 
 def train_step(model, optimizer, get_batch, grad_accum_steps=1, lr=None, grad_clip=0.0, z_loss=0.0,
                autocast=nullcontext, ddp=False):
     """One optimizer step over grad_accum_steps micro-batches, get_batch(micro_step) -> (input_ids, labels,
-    attention_mask or None); returns the mean loss and the gradient norm before clipping, as tensors on the device, so
-    that the caller decides when to wait for them. ddp: the model is wrapped in DDP or sharded by FSDP."""
+    attention_mask or None). Returns the mean loss and the gradient norm before clipping, as tensors on the device (the
+    caller decides when to wait for them). ddp: the model is wrapped in DDP or sharded by FSDP."""
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -245,15 +213,13 @@ def train_step(model, optimizer, get_batch, grad_accum_steps=1, lr=None, grad_cl
     for micro_step in range(grad_accum_steps):
         input_ids, labels, attention_mask = get_batch(micro_step)
         if ddp:
-            # all-reduce (DDP) or reduce-scatter (FSDP) the gradients once, after the last micro-batch has added its
-            # share (nanoGPT's trick)
+            # sync the gradients once, after the last micro-batch (nanoGPT's trick)
             set_gradient_sync(model, micro_step == grad_accum_steps - 1)
         with autocast():
             logits, loss = model(input_ids, labels=labels, attention_mask=attention_mask)
             objective = loss
             if z_loss > 0:
-                # t5x's auxiliary z-loss pulls log(sum(exp(logits))) towards 0, which keeps the softmax from drifting
-                # into regions where bf16 loses precision
+                # t5x's z-loss pulls log(sum(exp(logits))) towards 0, where bf16 keeps its precision
                 valid = labels != -100
                 log_z = torch.logsumexp(logits.float(), dim=-1)
                 objective = loss + z_loss * (log_z.square() * valid).sum() / valid.sum()

@@ -20,15 +20,15 @@ from runtime import (DTYPES, Logger, Sync, UserError, check_device, check_fsdp, 
                      wrap_model)
 
 # -----------------------------------------------------------------------------------------------------------------
-# default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override any of these. Below each
-# group, `valid` says what values its keys may take; configurator.py checks them before anything runs
+# default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override it, `valid` says what
+# values each key may take
 valid = {}
 # paths and run
 out_dir = "out"
 data_dir = "data/c4"
 init_from = "scratch"  # 'scratch', 'resume' (out_dir's checkpoint), or other weights: a checkpoint, an HF name/folder
 valid.update(out_dir="folder", data_dir="folder", init_from="non-empty")
-# how data_dir was made, checked against its meta.json; an offline dataset (pydoc) is prepared on first use
+# how data_dir was made, checked against its meta.json (pydoc, offline, is prepared on first use)
 dataset = "c4"
 tokenizer = "t5"
 vocab_size = 32000  # only for tokenizer='train'
@@ -48,7 +48,7 @@ grad_accum_steps = 1
 valid.update(batch_size="> 0", grad_accum_steps="> 0")
 # steps
 max_steps = 65536
-time_budget_hours = 0.0  # > 0: schedule and stop follow wall-clock time instead of max_steps (Cramming)
+time_budget_hours = 0.0  # > 0: schedule and stop follow training time instead of max_steps (Cramming)
 valid.update(max_steps="> 0", time_budget_hours=">= 0")
 # optimizer and schedule
 optimizer = "adamwscale"
@@ -72,9 +72,9 @@ valid.update(eval_interval="> 0", eval_steps="> 0", log_interval="> 0", checkpoi
 device = "auto"  # cuda > mps > cpu
 dtype = "bfloat16"
 compile = True
-fsdp = False  # under torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP
+fsdp = False  # under torchrun: shard weights, gradients and optimizer state (FSDP2) instead of DDP
 seed = 1337
-peak_flops = 0.0  # dense peak FLOP/s of one GPU, for MFU; 0 -> runtime.PEAK_FLOPS, which knows common GPUs
+peak_flops = 0.0  # dense peak FLOP/s of one GPU, for MFU; 0 -> runtime.PEAK_FLOPS
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "t5"
@@ -86,7 +86,7 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 rt = setup_runtime(device, dtype, seed)
 micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
 
-# the data: the offline corpus needs no download, so a fresh clone prepares it on first use
+# the data: the offline corpus is prepared on first use
 if dataset == "pydoc" and not os.path.exists(os.path.join(data_dir, "meta.json")):
     if rt.master:
         print0(f"{data_dir} has no data yet: preparing the '{dataset}' corpus there first (runs once)")
@@ -94,7 +94,7 @@ if dataset == "pydoc" and not os.path.exists(os.path.join(data_dir, "meta.json")
     if rt.ddp:
         torch.distributed.barrier()
 meta = load_meta(data_dir)
-# dataset, tokenizer and vocab_size say how data_dir is made: given with it or after it, they must be what it holds
+# dataset, tokenizer and vocab_size given with data_dir or after it must be what it holds
 described = [key for key in ("dataset", "tokenizer", "vocab_size")
              if given_at.get(key, -1) >= given_at.get("data_dir", 0)]
 contradicted = [f"{key} {meta['settings'][key]!r}, not {config[key]!r}" for key in described
@@ -102,11 +102,11 @@ contradicted = [f"{key} {meta['settings'][key]!r}, not {config[key]!r}" for key 
 if contradicted:
     raise UserError(f"{data_dir} was prepared with {', '.join(contradicted)}: set those to the folder's values, or "
                     f"give another --data_dir")
-# before the model is built: a new run never replaces a checkpoint, and two runs never write one out_dir
+# a new run never replaces a checkpoint, and two runs never write one out_dir
 out_dir_lock = claim_out_dir(out_dir, rt, fresh=init_from != "resume")  # held while the process lives
 
 # the model: from scratch, from this run's checkpoint, or from other weights (ours or Hugging Face's)
-ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a directory, each rank writes its shards
+ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a directory of every rank's shards
 ckpt = load_checkpoint(ckpt_path, program="train.py") if init_from == "resume" else None
 if ckpt is not None:
     check_resume(ckpt, ckpt_path, config, meta, fixed=("model", "dropout", "optimizer"))
@@ -118,7 +118,7 @@ else:
     if weights is not None:
         print0(f"a new run from the weights of {init_from} (--init_from=resume continues a run, optimizer and all)")
 print0(f"{t5.num_params() / 1e6:.1f}M parameters")
-t5 = wrap_model(t5, rt, fsdp, compile)  # on the device; sharded (fsdp), compiled, DDP-wrapped as configured
+t5 = wrap_model(t5, rt, fsdp, compile)  # on the device; sharded, compiled, DDP-wrapped as configured
 opt = make_optimizer(optimizer, param_groups(raw_model(t5), weight_decay), lr)
 if ckpt is not None:
     restore_state(ckpt, t5, opt)  # the optimizer state and the RNG
@@ -126,7 +126,7 @@ step = ckpt["step"] if ckpt is not None else 0  # optimizer steps done
 elapsed = ckpt["elapsed"] if ckpt is not None else 0.0  # training seconds, summed over resumes for the time budget
 ckpt = None  # free the checkpoint's copy of the weights
 
-# span-corrupted batches: the global batch of step k is a pure function of (seed, k); this rank builds its slice
+# span-corrupted batches: the global batch of step k is a function of (seed, k); this rank builds its slice
 data_args = (batch_size, input_length, noise_density, mean_noise_span_length, seed, raw_model(t5).config.vocab_size)
 train_data = SpanCorruptionBatches(data_dir, "train", *data_args)
 val_data = SpanCorruptionBatches(data_dir, "val", *data_args)
@@ -135,23 +135,21 @@ tokens_per_step = batch_size * (input_length + train_data.targets_length)
 step_flops = flops_per_step(raw_model(t5), batch_size, input_length, train_data.targets_length)
 print0(f"{batch_size} examples x ({input_length} input + {train_data.targets_length} target) tokens = "
        f"{tokens_per_step:,} tokens/step, {micro_batch} per micro-step on each of {rt.world_size} rank(s)")
-# how many noise spans a model that ignores its input gets right: span accuracy above it is context read
+# the span accuracy of a model that ignores its input
 common_fill, span_baseline = unigram_baseline(train_data, val_data, eval_steps)
 tok = load_tokenizer(meta)
 print0(f"span accuracy baseline {span_baseline:.4f}: always writing the commonest fill, {tok.decode(common_fill)!r} "
        f"(ids {list(common_fill)})")
-# two held-out examples every evaluation shows filled in: always the first two windows of val.bin, with the same noise
+# two held-out examples every evaluation shows filled in: the first two windows of val.bin
 demo_inputs, demo_labels = (t[:2] for t in val_data.get(0, device=rt.device))
 demo_tokens = max(shown_length(tok, labels) for labels in demo_labels.tolist())  # what the shown spans need
 logger = Logger(out_dir, rt.master, resume_step=step if init_from == "resume" else None, wandb_log=wandb_log,
                 wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
 peak = rt.peak_flops(peak_flops)
 
-
 @torch.no_grad()
 def evaluate():
-    """loss, next-token accuracy and span accuracy on the fixed validation batches, comparable across runs, and the
-    two demo examples filled in"""
+    """loss, next-token accuracy and span accuracy on the fixed validation batches, and the demo examples filled in"""
     t5.eval()
     totals = torch.zeros(4, device=rt.device)
     for i in range(eval_steps):
@@ -163,7 +161,7 @@ def evaluate():
                                    *span_accuracy(logits, labels, meta["first_sentinel_id"])])
     if rt.ddp:
         torch.distributed.all_reduce(totals)  # gloo has no AVG: sum, then divide by the ranks too
-    with rt.autocast():  # every rank decodes (FSDP needs all), rank 0 shows; generate() reads weights outside forward
+    with rt.autocast():  # every rank decodes (FSDP needs all ranks), rank 0 shows
         generator = unsharded_copy(t5) if fsdp else raw_model(t5)
         fills = generator.generate(demo_inputs, max_new_tokens=demo_tokens)
     t5.train()
@@ -171,13 +169,12 @@ def evaluate():
     val_loss, val_acc = (totals[:2] / (eval_steps * grad_accum_steps * rt.world_size)).tolist()
     return val_loss, val_acc, (totals[2] / totals[3]).item(), examples
 
-
-# the ranks agree at sync points only (log and checkpoint steps): there they stop, save and set the clock together
+# the ranks agree at sync points only (log and checkpoint steps): there they stop, save and read the clock together
 sync = Sync(rt, ckpt_path, step, elapsed, time_budget_hours * 3600)
 t5.train()
 start_step, t_log, steps_since_log = step, time.time(), 0
 while step < max_steps and not sync.stop:
-    # a time budget drives the schedule by the share of the budget spent rather than by step count
+    # under a time budget, the schedule follows the share of the budget spent
     progress = sync.clock(step) / sync.budget_s * max_steps if sync.budget_s else step + 1
     lr_now = get_lr(progress, max_steps, lr_schedule, lr, warmup_steps, warmup_start_factor, min_lr)
     loss, grad_norm = train_step(t5, opt, train_batches(step), grad_accum_steps, lr_now, grad_clip, z_loss,
@@ -185,15 +182,13 @@ while step < max_steps and not sync.stop:
     step += 1
     steps_since_log += 1
     sync.watch(loss, grad_norm)  # NaN or inf noted on the device, without waiting for it
-    if step == start_step + 1:  # the optimizer state exists from the first step on; under FSDP each rank holds a slice
+    if step == start_step + 1:  # the optimizer state exists from the first step on
         print0(f"parameters + optimizer state: {state_bytes(t5, opt) / 2**20:.2f} MiB on rank 0")
         if rt.device_type == "cuda":
             print0(memory_report(rt.device))
 
     if step % log_interval == 0 or step % checkpoint_interval == 0 or step in (start_step + 1, max_steps):
-        # a sync point: one all-reduce of a stop signal, NaN/inf since the last one (which ends the run here, before
-        # it could save), rank 0's clock and the mean loss
-        loss = sync.agree(step, loss)
+        loss = sync.agree(step, loss)  # one all-reduce; NaN or inf since the last one ends the run before it saves
         dt = (time.time() - t_log) / steps_since_log
         t_log, steps_since_log = time.time(), 0
         mfu_now = mfu(step_flops, dt, rt.world_size, peak)
