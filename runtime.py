@@ -1,4 +1,4 @@
-"""What the scripts share at run time: files, devices, DDP and FSDP, MFU, the out_dir, checkpoints, log and Sync."""
+"""What the scripts share at run time: files, devices, DDP, FSDP, MFU, the out_dir, checkpoints, log and Sync."""
 import contextlib
 import errno
 import fcntl
@@ -56,8 +56,8 @@ def write_error(path, e):
 
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
-    """Where every file is written: to path.tmp, then renamed over path, so a crash leaves the old file. A failure to
-    write is one UserError naming path; other errors in the block (reading an input) stay the caller's."""
+    """Where every file is written: via path.tmp, renamed over path, so a crash leaves the old file. A failure to
+    write is one UserError naming path; other errors (reading an input) stay the caller's."""
     try:
         f = open(path + ".tmp", mode)
     except OSError as e:
@@ -172,7 +172,7 @@ def check_device(name):
     """configurator.py's rule for `device`"""
     try:
         kind = "auto" if name == "auto" else torch.device(name).type
-    except RuntimeError:  # not a device string
+    except RuntimeError:
         kind = None
     if kind not in ("auto", "cpu", "cuda", "mps"):
         raise UserError(f"device '{name}' is not one this code runs on: use auto, cpu, cuda, cuda:N or mps")
@@ -204,7 +204,7 @@ def setup_runtime(device="auto", dtype="bfloat16", seed=1337):
         torch.cuda.set_device(device)
     if ddp:
         torch.distributed.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    torch.manual_seed(seed)  # the same on every rank: all replicas start from the same weights
+    torch.manual_seed(seed)  # the same on every rank, so all replicas start equal
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = dtype != "float32"
     if device_type == "cpu":
         torch.set_flush_denormal(True)  # denormals, which appear late in training, are slow on x86
@@ -218,10 +218,10 @@ def raw_model(model):
     return getattr(model, "_orig_mod", model)
 
 def shard_model(model, rt):
-    """FSDP2 on the T5 in place, a group gathered just before its module runs: each block, and the rest of the model.
-    Weights read outside their module shape the groups: each relative_attention_bias is its own group, and
-    cross-attention's k and v stay in the model's, as Decoder.encoder_kv projects them before the first block runs.
-    Under bf16 the blocks are gathered in bf16; weights, gradient reductions and the residual stream stay fp32."""
+    """FSDP2 on the T5 in place: each block is a group, gathered just before it runs, and the rest another.
+    Weights read outside their module (relative_attention_bias; cross-attention's k and v, which
+    Decoder.encoder_kv projects first) stay out of the blocks' groups. Under bf16 the blocks gather in bf16;
+    reductions and activations stay fp32."""
     mesh = init_device_mesh(rt.device_type, (rt.world_size,))
     policy = MixedPrecisionPolicy()
     if rt.dtype == "bfloat16":
@@ -275,21 +275,23 @@ def unsharded_copy(model):
 CHECKPOINTS = ("ckpt.pt", "ckpt", "ckpt.old")  # one file, or (FSDP) a directory of shards, or what a kill left of one
 
 def claim_out_dir(out_dir, rt, fresh, results=CHECKPOINTS):
-    """Before a run does any work: a fresh run refuses an out_dir holding any of the `results` it would write, then
-    takes an flock on out_dir/lock, which the OS drops however the process dies. Rank 0 decides, every rank raises.
-    Returns the lock file to keep open while the run lasts (None for a resume with no out_dir, which makes none)."""
+    """Before a run does any work: a fresh run refuses an out_dir holding any of the `results` it would write;
+    then an flock on out_dir/lock, which the OS drops however the run dies. Rank 0 decides, every rank raises.
+    Returns the lock file to keep while the run lasts, or None (a resume with no out_dir, left uncreated)."""
     problem = lock = None
     if rt.master:
         found = [os.path.join(out_dir, p) for p in results if os.path.exists(os.path.join(out_dir, p))]
         if fresh and found:
-            hint = "pass --init_from=resume to continue that run, or" if set(CHECKPOINTS) & set(results) else "pass"
-            problem = f"{found[0]} exists and this run would replace it: {hint} another --out_dir to start a new one"
+            resumable = set(CHECKPOINTS) & set(results)
+            hint = "pass --init_from=resume to continue that run, or" if resumable else "pass"
+            problem = (f"{found[0]} exists and this run would replace it: {hint} another --out_dir to start a "
+                       f"new one")
         elif fresh or os.path.isdir(out_dir):
             try:
                 os.makedirs(out_dir, exist_ok=True)
                 lock = open(os.path.join(out_dir, "lock"), "a+")
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # another process holds the lock
+            except BlockingIOError:
                 lock.seek(0)
                 problem = (f"another run (pid {lock.read().strip() or '?'}) is writing {out_dir}: wait for it to "
                            f"finish, or use another --out_dir")
@@ -299,17 +301,16 @@ def claim_out_dir(out_dir, rt, fresh, results=CHECKPOINTS):
                 lock.truncate(0)
                 lock.write(f"{os.getpid()}\n")
                 lock.flush()
+    problem = [problem]
     if rt.ddp:
-        problem = [problem]
         torch.distributed.broadcast_object_list(problem, src=0)
-        problem = problem[0]
-    if problem:
-        raise UserError(problem)
+    if problem[0]:
+        raise UserError(problem[0])
     return lock
 
 def check_resume(ckpt, path, config, meta, fixed):
     """A resume continues its checkpoint's run: the keys in `fixed` (what its weights and optimizer state were made
-    with) and its data's settings must keep their values; other keys may change, and the resume line names them."""
+    with) and its data's settings must keep their values; the resume line names other keys that changed."""
     def settings(config, meta):  # the data as prepare.py made it, wherever its folder is now
         data = (meta or {}).get("settings") or {}
         return {**config, **{f"data.{key}": value for key, value in data.items()}}
@@ -323,7 +324,7 @@ def check_resume(ckpt, path, config, meta, fixed):
     changed = ", ".join(differences.values())
     print0(f"resuming from {path} at step {ckpt['step']}" + (f"; changed on resume: {changed}" if changed else ""))
 
-# checkpoints: one file (ckpt.pt, from rank 0) or, under FSDP, a directory of shards that every rank writes
+# checkpoints
 
 def barrier():
     if torch.distributed.is_initialized():
@@ -334,8 +335,8 @@ def finished_dir(path):
     return path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
 
 def save_checkpoint(path, state):
-    """A .pt path: rank 0 writes one file atomically. A directory (FSDP, every rank calls this): the ranks write their
-    shards and rank 0 the rest (state.pt) into path.tmp, which then replaces path, kept as path.old meanwhile."""
+    """A .pt path: rank 0 writes one file atomically. A directory (FSDP, every rank calls this): the ranks write
+    their shards and rank 0 the rest (state.pt) into path.tmp, which replaces path, kept as path.old meanwhile."""
     if path.endswith(".pt"):
         if rank() == 0:
             with atomic_write(path) as f:
@@ -475,10 +476,9 @@ class Logger:
             self.wandb.log(record, step=record.get("step"))
 
 class Sync:
-    """Where the ranks agree, at the loop's log and checkpoint steps, in one all-reduce: a stop signal (SIGINT or
-    SIGTERM on any rank), whether a loss or grad norm was NaN or inf, rank 0's clock and the mean loss. In between
-    nothing waits for the device or another rank; every rank stops, saves and sets a time budget's lr at the same
-    step. The clock counts training seconds over resumes, less time inside paused()."""
+    """Where the ranks agree, at the loop's log and checkpoint steps, in one all-reduce: a stop signal, whether a
+    loss or grad norm was NaN or inf, rank 0's clock (training seconds over resumes, less time in paused()) and the
+    mean loss. In between nothing waits for the device or another rank, yet every rank stops at the same step."""
 
     def __init__(self, rt, ckpt_path, step, elapsed=0.0, budget_s=0.0):
         self.rt, self.ckpt_path, self.budget_s = rt, ckpt_path, budget_s
