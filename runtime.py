@@ -45,7 +45,7 @@ def reading(path, message="could not read {path}: {reason}"):
         raise UserError(message.format(path=path, reason=reason(e))) from None
 
 def write_failure(e):
-    """the OSError behind e that only writing meets (torch's zip writer raises a RuntimeError in its place), or None"""
+    """the OSError behind e that only writing meets (torch's zip writer wraps it in a RuntimeError), or None"""
     while e is not None and not (isinstance(e, OSError) and e.errno in WRITE_ERRNOS):
         e = e.__context__
     return e
@@ -109,8 +109,8 @@ PEAK_FLOPS = {
 }
 
 def flops_per_step(model, batch_size, input_length, target_length):
-    """Training FLOPs of one step, for MFU: 6 per weight per token it sees (S input tokens for the encoder and
-    cross-attention's k/v, T targets for the rest, the lm_head included), plus attention's two matmuls."""
+    """Training FLOPs of one step, for MFU: 6 per weight per token it sees (2 forward, 4 backward): S input tokens
+    for the encoder and cross-attention's k/v, T targets for the rest and the lm_head; plus attention's matmuls."""
     c, S, T = model.config, input_length, target_length
     n_enc = sum(p.numel() for p in model.encoder.parameters())
     n_cross_kv = sum(2 * b.cross_attn.k.weight.numel() for b in model.decoder.blocks)
@@ -140,7 +140,7 @@ def micro_batch_size(batch_size, grad_accum_steps, world_size):
 @dataclass
 class Runtime:
     device: str  # 'cuda:0', 'mps', 'cpu'
-    device_type: str  # 'cuda', 'mps', 'cpu'
+    device_type: str
     dtype: str
     ddp: bool
     rank: int
@@ -221,7 +221,7 @@ def shard_model(model, rt):
     """FSDP2 on the T5 in place: each block is a group, gathered just before it runs, and the rest another.
     Weights read outside their module (relative_attention_bias; cross-attention's k and v, which
     Decoder.encoder_kv projects first) stay out of the blocks' groups. Under bf16 the blocks gather in bf16;
-    reductions and activations stay fp32."""
+    gradient reductions and the residual stream stay fp32."""
     mesh = init_device_mesh(rt.device_type, (rt.world_size,))
     policy = MixedPrecisionPolicy()
     if rt.dtype == "bfloat16":
@@ -483,7 +483,7 @@ class Sync:
     def __init__(self, rt, ckpt_path, step, elapsed=0.0, budget_s=0.0):
         self.rt, self.ckpt_path, self.budget_s = rt, ckpt_path, budget_s
         self.step, self.elapsed, self.per_step = step, elapsed, 0.0  # agreed at the last sync point
-        self.mark, self.paused_s, self.nonfinite, self.signalled = time.time(), 0.0, 0, False  # this rank's
+        self.mark, self.paused_s, self.nonfinite, self.signalled = time.time(), 0.0, 0, False  # this rank's own
         self.stop = 0 < budget_s <= elapsed  # a resumed run may have spent its budget
         self.handlers = {s: signal.signal(s, lambda *_: setattr(self, "signalled", True))
                          for s in (signal.SIGINT, signal.SIGTERM)}
