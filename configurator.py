@@ -33,7 +33,8 @@ def _print_user_errors(exc_type, exc, tb, _default=_sys.excepthook):
         return _default(exc_type, exc, tb)
     print(f"error: {message}", file=_sys.stderr)
     if _os.environ.get("TORCHELASTIC_RUN_ID") and _os.environ.get("RANK") == "0":
-        # torchrun reports after the ranks exit, so a child outside the rank's process group says it again, last
+        # torchrun reports after the ranks exit: a child, out of the rank's process group (which torchrun stops),
+        # waits for torchrun to exit and says it again, last
         launcher = _os.getppid()
         if _os.fork() == 0:
             _os.setsid()
