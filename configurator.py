@@ -1,33 +1,25 @@
 """
-Poor man's configurator, after nanoGPT. A script defines its config as module-level globals, then runs
+Poor man's configurator, after nanoGPT. A script defines its config as globals, then runs
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-which applies every config file (Python assignments, `key = value`) and --key=value on the command line, in order:
-    python train.py config/t5_tiny.py --batch_size=16 --compile=False
-Below each group of defaults, the script declares its keys' valid values in a dict named `valid`:
-    valid.update(batch_size="> 0", lr_schedule=("cosine", "inverse_sqrt", "constant"))
-A rule is a comparison ("> 0"), an interval ("in [0, 1)": a square bracket includes its end), "non-empty", "any",
-"folder" (a path that is no file), a tuple of the allowed values, or a function that raises UserError. Every mistake
-(an unknown key, a wrong type, a number that is not finite, a file that is not Python assignments, a broken rule)
-stops the script before it does anything, with one line and exit code 2. Afterwards `config` holds every final
-value, and `given_at` each given key's position on the command line (of its config file or --key=value).
+to apply config files (Python assignments) and --key=value in order, and check each key's rule in its dict `valid`:
+"> 0", "in [0, 1)", "non-empty", "any", "folder", a tuple of values, or a function raising UserError. A mistake
+stops the script with one line, exit code 2. Then `config` holds the values, `given_at` each given key's position.
 """
 import ast as _ast
 import difflib as _difflib
 import math as _math
 import operator as _operator
 import os as _os
+import select as _select
 import sys as _sys
-import time as _time
-
 
 def _config_error(msg):
     print(f"error: {msg}", file=_sys.stderr)
     _sys.exit(2)
 
-
 def _print_user_errors(exc_type, exc, tb, _default=_sys.excepthook):
-    # bad input (UserError), a file the OS could not read or write, and running out of memory reach the user as one
-    # line, exit code 1. No sys.exit here: torchrun wraps this hook to prefix each line, and an exit would lose it
+    # bad input, an OS error on a file, running out of memory: one line, exit code 1. No sys.exit: torchrun wraps
+    # this hook to prefix each line, and an exit would lose it
     if exc_type.__name__ == "UserError":
         message = str(exc)
     elif issubclass(exc_type, OSError) and exc.strerror:
@@ -41,24 +33,17 @@ def _print_user_errors(exc_type, exc, tb, _default=_sys.excepthook):
         return _default(exc_type, exc, tb)
     print(f"error: {message}", file=_sys.stderr)
     if _os.environ.get("TORCHELASTIC_RUN_ID") and _os.environ.get("RANK") == "0":
-        # torchrun prints its own failure report after the ranks have exited, so no rank can print last: a child,
-        # out of the rank's process group (which torchrun stops), waits for torchrun to end and says it once more
+        # torchrun reports after the ranks exit: a child, out of the rank's process group (which torchrun stops),
+        # waits for torchrun to exit and says it again, last
         launcher = _os.getppid()
         if _os.fork() == 0:
             _os.setsid()
-            while _running(launcher):
-                _time.sleep(0.02)
+            try:
+                _select.select([_os.pidfd_open(launcher)], [], [])  # readable once the process has exited
+            except (AttributeError, OSError):  # no pidfd on this OS, or torchrun gone already
+                pass
             _os.write(2, f"error: {message}\n".encode())
             _os._exit(0)
-
-
-def _running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited, but not been reaped yet
-    except OSError:  # gone, or no /proc to tell
-        return False
-
 
 _sys.excepthook = _print_user_errors
 _config_types = (int, float, bool, str, type(None))
@@ -66,7 +51,6 @@ _config_types = (int, float, bool, str, type(None))
 _defaults = {k: v for k, v in globals().items()
              if not k.startswith("_") and not k.isupper() and isinstance(v, _config_types)}
 given_at = {}
-
 
 def _check(key, value, source, position):
     if key not in _defaults:
@@ -81,9 +65,7 @@ def _check(key, value, source, position):
         return str(value)  # --out_dir=2024 is a folder name, not a number
     _config_error(f"config key '{key}' in {source} must be {type(default).__name__}, got {value!r}")
 
-
 def _read_config_file(path):
-    """a config file's settings; one that is not Python assignments (YAML, JSON...) is refused"""
     python = "config files are Python assignments (key = value), such as config/t5_tiny.py"
     try:
         with open(path, encoding="utf-8") as f:
@@ -96,7 +78,7 @@ def _read_config_file(path):
     except (UnicodeDecodeError, SyntaxError, ValueError) as e:
         kind = "UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"Python ({e})"
         _config_error(f"config file '{path}' is not {kind}: {python}")
-    for node in tree.body:  # assignments, or a call such as exec(open("config/t5_base.py").read()), or a docstring
+    for node in tree.body:  # assignments, or a call such as exec(open(...).read()), or a docstring
         if not (isinstance(node, (_ast.Assign, _ast.AugAssign)) or isinstance(node, _ast.AnnAssign) and node.value
                 or isinstance(node, _ast.Expr) and isinstance(node.value, (_ast.Call, _ast.Constant))):
             _config_error(f"config file '{path}' line {node.lineno} is not an assignment: {python}")
@@ -107,7 +89,6 @@ def _read_config_file(path):
         _config_error(f"config file '{path}' failed: {type(e).__name__}: {e}")
     settings = {k: v for k, v in settings.items() if not k.startswith("_") and isinstance(v, _config_types)}
     return settings or _config_error(f"config file '{path}' sets no config key: {python}")
-
 
 for _position, _arg in enumerate(_sys.argv[1:], 1):
     if not _arg.startswith("--"):
@@ -123,20 +104,18 @@ for _position, _arg in enumerate(_sys.argv[1:], 1):
         pass  # a bare word such as --optimizer=adafactor stays a string
     globals()[_key] = _check(_key, _value, f"--{_key}", _position)
 
-
 def _satisfies(value, rule):
     if isinstance(rule, tuple):
         return value in rule
     if rule in ("any", "non-empty", "folder"):
         return rule == "any" or value != "" and (rule == "non-empty" or not _os.path.isfile(value))
     op, bound = rule.split(" ", 1)
-    if op == "in":  # "in (0, 1]": the brackets say whether each end belongs to the interval
+    if op == "in":  # "in (0, 1]": a square bracket includes its end
         low, high = (_ast.literal_eval(end) for end in bound[1:-1].split(","))
         above = low < value or (bound[0] == "[" and low == value)
         return above and (value < high or (bound[-1] == "]" and value == high))
     compare = {">": _operator.gt, ">=": _operator.ge, "<": _operator.lt, "<=": _operator.le}[op]
     return compare(value, _ast.literal_eval(bound))
-
 
 def _check_valid(rules):
     missing = [key for key in _defaults if key not in rules]
@@ -156,7 +135,6 @@ def _check_valid(rules):
                 rule = "one of " + ", ".join(map(repr, rule)) + (f" (did you mean {close[0]!r}?)" if close else "")
             rule = ("non-empty" if value == "" else "a folder, not a file") if rule == "folder" else rule
             _config_error(f"config key '{key}' is {value!r}; it must be {rule}")
-
 
 if isinstance(globals().get("valid"), dict):
     _check_valid(globals()["valid"])
