@@ -479,7 +479,6 @@ def prepare_command(settings, data_dir):
     return f"python prepare.py {flags} --out_dir={shlex.quote(os.path.abspath(data_dir))}"
 
 def check_files(meta, names):
-    """stop with one line naming the first damaged file of these, and the command that rebuilds it"""
     for problem in damaged_files(meta["data_dir"], meta, names).values():
         raise UserError(f"{problem}: rebuild it with `{prepare_command(meta['settings'], meta['data_dir'])}`")
 
