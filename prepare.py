@@ -6,7 +6,6 @@ Tokenises a corpus into uint16 shards for T5 pre-training, and reads them back a
     python prepare.py --dataset=pydoc --tokenizer=train --vocab_size=1000 --out_dir=data/pydoc  # offline
 out_dir gets train_000.bin, ..., val.bin, the tokenizer and meta.json, its one state file: rerun, the command
 continues where it was killed and rebuilds damaged files.
-
 """
 import functools
 import gzip
@@ -61,7 +60,8 @@ def _noise_counts(length, noise_density, mean_noise_span_length):
     return num_noise, num_spans
 
 def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
-    """The longest raw window whose corrupted inputs fit inputs_length, and its targets length (512: 568, 114)"""
+    """T5's random_spans_helper: the longest raw window whose corrupted inputs fit inputs_length, and its targets
+    length"""
     def corrupted_lengths(raw_length):
         num_noise, num_spans = _noise_counts(raw_length, noise_density, mean_noise_span_length)
         # inputs: kept tokens + one sentinel per span + EOS; targets: one sentinel per span + noise + EOS
@@ -234,7 +234,8 @@ def _chunks(docs, chunk_chars=1 << 20):
         yield chunk
 
 def encoded_chunks(docs, tok, num_threads):
-    """(ids, document lengths) of docs' chunks in order, tokenised in threads, at most 2 per thread read ahead"""
+    """(ids, document lengths) of docs' chunks in order, tokenised in threads (the tokenizers release the GIL), at
+    most 2 chunks per thread ahead, so that a stream is never read far ahead"""
     with ThreadPoolExecutor(num_threads) as pool:
         pending = deque()
         for chunk in _chunks(docs):
@@ -420,7 +421,7 @@ def _train_spiece(texts, vocab_size, max_chars=20_000_000):
         spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
                                        model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
                                        num_threads=8, minloglevel=2)  # fixed: the model depends on it
-    except RuntimeError as e:  # e.g. "... ] Vocabulary size too high (8000). Please set it to a value <= 3012."
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to a value <= 3012."
         reason = str(e).split("] ")[-1].rstrip(".")
         fix = "; adjust --vocab_size" if "ocabulary size" in reason else ""
         raise UserError(f"sentencepiece training failed: {reason}{fix}") from None
@@ -616,9 +617,8 @@ def span_fills(labels, first_sentinel_id):
     return fills
 
 def unigram_baseline(train, val, val_steps, train_spans=10_000):
-    """(the commonest training fill, val's span accuracy of always writing it): a model's that ignores its input"""
-
-
+    """(the commonest training fill, val's span accuracy of always writing it): what a model that ignores its input
+    scores"""
     first, fills, step = train.meta["first_sentinel_id"], [], 0
     while len(fills) < train_spans:
         fills, step = fills + span_fills(train.get(step)[1], first), step + 1
