@@ -60,8 +60,7 @@ def _noise_counts(length, noise_density, mean_noise_span_length):
     return num_noise, num_spans
 
 def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
-    """T5's random_spans_helper: the longest raw window whose corrupted inputs fit inputs_length, and its targets
-    length"""
+    """T5's random_spans_helper: the longest raw window whose corrupted inputs fit, and its targets length"""
     def corrupted_lengths(raw_length):
         num_noise, num_spans = _noise_counts(raw_length, noise_density, mean_noise_span_length)
         # inputs: kept tokens + one sentinel per span + EOS; targets: one sentinel per span + noise + EOS
@@ -617,8 +616,7 @@ def span_fills(labels, first_sentinel_id):
     return fills
 
 def unigram_baseline(train, val, val_steps, train_spans=10_000):
-    """(the commonest training fill, val's span accuracy of always writing it): what a model that ignores its input
-    scores"""
+    """(the commonest training fill, span accuracy on val always writing it): the score of ignoring the input"""
     first, fills, step = train.meta["first_sentinel_id"], [], 0
     while len(fills) < train_spans:
         fills, step = fills + span_fills(train.get(step)[1], first), step + 1
