@@ -1,13 +1,13 @@
 """
-Turns a text corpus into uint16 token shards for T5 pre-training, and reads them back as span-corrupted batches.
+Tokenises a corpus into uint16 shards for T5 pre-training, and reads them back as span-corrupted batches.
     python prepare.py                                               # C4 en, streamed, T5's tokenizer
     python prepare.py --dataset=c4 --max_train_tokens=4_800_000_000 # just what nanoT5's recipe consumes
     python prepare.py --dataset=my_corpus.jsonl.gz --tokenizer=train --vocab_size=16000 --out_dir=data/mine
     python prepare.py --dataset=pydoc --tokenizer=train --vocab_size=1000 --out_dir=data/pydoc  # offline
-out_dir gets train_000.bin, train_001.bin, ... (shard_tokens ids each, every document ending with EOS), val.bin, the
-tokenizer and meta.json, the folder's one state file: the same command continues a killed run, and rebuilds what was
-damaged since. The file reads: span corruption, prepare(), the sources and tokenizers, then reading a folder back.
+out_dir gets train_000.bin, ..., val.bin, the tokenizer and meta.json, its one state file: rerun, the command
+continues where it was killed and rebuilds damaged files.
 """
+import functools
 import gzip
 import hashlib
 import io
@@ -52,43 +52,32 @@ LOCAL_EXTENSIONS = (".txt", ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".txt.gz
 META_KEYS = ("settings", "tokenizer_file", "tokenizer_sha256", "vocab_size", "model_vocab_size", "eos_id", "pad_id",
              "first_sentinel_id", "val", "shards", "complete")
 
-# -----------------------------------------------------------------------------------------------------------------
 # span corruption, exactly as T5's random_spans_noise_mask + noise_span_to_unique_sentinel
-
-
 def _noise_counts(length, noise_density, mean_noise_span_length):
     # at least one noise and one kept token; as many noise spans as kept spans so that they can alternate
     num_noise = min(max(round(length * noise_density), 1), length - 1)
     num_spans = max(1, round(min(num_noise, length - num_noise) / mean_noise_span_length))
     return num_noise, num_spans
 
-
 def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
-    """The longest raw window whose corrupted inputs fit in inputs_length, and its targets length (T5's
-    random_spans_helper): 512 -> (568, 114) at density 0.15, mean span 3."""
+    """T5's random_spans_helper: the longest raw window whose corrupted inputs fit, and its targets length"""
     def corrupted_lengths(raw_length):
         num_noise, num_spans = _noise_counts(raw_length, noise_density, mean_noise_span_length)
         # inputs: kept tokens + one sentinel per span + EOS; targets: one sentinel per span + noise + EOS
         return raw_length - num_noise + num_spans + 1, num_noise + num_spans + 1
-
     raw_length = inputs_length - 1
     while corrupted_lengths(raw_length + 1)[0] <= inputs_length:
         raw_length += 1
     return raw_length, corrupted_lengths(raw_length)[1]
 
-
 def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rng):
-    """tokens (B, L) ints -> (inputs, targets) int64 arrays. Each row gets its own random noise mask; the noise spans
-    become sentinels first_sentinel_id, first_sentinel_id - 1, ... in the inputs, and the targets are each sentinel
-    followed by the tokens it replaced. Both end with EOS. rng: one numpy Generator, or a list of one per row, so that
-    any rows of a batch can be span-corrupted alone, identical to those rows of the whole batch."""
+    """tokens (B, L) -> (inputs, targets) int64, ending with EOS. rng: a numpy Generator, or one per row, so that
+    rows corrupted alone are those rows of the whole batch."""
     B, L = tokens.shape
     num_noise, num_spans = _noise_counts(L, noise_density, mean_noise_span_length)
 
     def segment_lengths(num_items):
-        # split num_items into num_spans non-empty segments uniformly at random, like T5's shuffle: segment 0 starts
-        # at item 0, the other starts are a random (num_spans - 1)-subset of items 1..num_items-1, here the items
-        # with the smallest of iid uniform keys
+        # T5's shuffle: item 0 and the items with the smallest uniform keys start the num_spans segments
         starts = np.zeros((B, 1), dtype=np.int64)
         if num_spans > 1:
             keys = np.stack([g.random(num_items - 1) for g in rng]) if isinstance(rng, list) else \
@@ -96,39 +85,29 @@ def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_i
             subset = np.argpartition(keys, num_spans - 2, axis=1)[:, : num_spans - 1] + 1
             starts = np.concatenate([starts, np.sort(subset, axis=1)], axis=1)
         return np.diff(starts, axis=1, append=num_items)  # (B, num_spans)
-
-    # kept, noise, kept, noise, ...: every row starts with kept tokens and ends with noise
+    # kept, noise, kept, noise, ...
     lengths = np.stack([segment_lengths(L - num_noise), segment_lengths(num_noise)], axis=2).reshape(B, 2 * num_spans)
-    span_start = np.zeros((B, L), dtype=np.int32)
+    span_start = np.zeros((B, L), dtype=np.int32)  # int32: numpy's int64 cumsum along rows is slow
     np.put_along_axis(span_start, np.cumsum(lengths, axis=1)[:, :-1], 1, axis=1)
-    # (int32: numpy's int64 cumsum along rows is ~10x slower)
     span_num = np.cumsum(span_start, axis=1, dtype=np.int32)  # (B, L): 2k in kept span k, 2k + 1 in noise span k
     is_noise = span_num % 2 == 1
     span_start[:, 0] = 1
-
-    # kept span k is followed by noise span k, so both are named by the same sentinel
-    sentinel = first_sentinel_id - span_num // 2
+    sentinel = first_sentinel_id - span_num // 2  # of noise span k, and of the kept span before it
     tokens = tokens.astype(np.int64)
     eos = np.full((B, 1), eos_id, dtype=np.int64)
-    # inputs: kept tokens, and one sentinel in place of each noise span; targets: the reverse
     inputs = np.where(is_noise, sentinel, tokens)[~is_noise | (span_start == 1)].reshape(B, L - num_noise + num_spans)
     targets = np.where(is_noise, tokens, sentinel)[is_noise | (span_start == 1)].reshape(B, num_noise + num_spans)
     return np.concatenate([inputs, eos], axis=1), np.concatenate([targets, eos], axis=1)
 
-
-# -----------------------------------------------------------------------------------------------------------------
 # prepare: open the source, tokenise, write the shards, write meta.json
-
-
 def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, max_train_tokens=0, num_proc=1,
             text_field="text", shard_tokens=100_000_000, val_fraction=0.005, max_val_tokens=10_000_000):
-    """Tokenise dataset into out_dir (see the module docstring) and return its meta. meta.json is rewritten after each
-    file with what is done: a rerun continues where a run stopped, or returns at once when the folder is complete."""
+    """Tokenise dataset into out_dir and return its meta; a rerun continues where a run stopped."""
     settings = {"dataset": dataset, "text_field": text_field, "tokenizer": tokenizer,
                 "vocab_size": vocab_size if tokenizer == "train" else None,
                 "max_train_tokens": max_train_tokens or None, "shard_tokens": shard_tokens,
                 "val_fraction": val_fraction, "max_val_tokens": max_val_tokens}
-    meta = _resume(out_dir, settings)  # what an earlier run of this command left that is still good
+    meta = _resume(out_dir, settings)
     if meta is not None and meta["complete"]:
         return load_meta(out_dir)
 
@@ -138,7 +117,7 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
     def save():
         with atomic_write(os.path.join(out_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
-    if meta is None:  # a new folder: the source must give a document before anything is written
+    if meta is None:  # a new folder: nothing is written before the source gives a document
         if next(docs("train"), None) is None:
             raise UserError(f"{dataset} has no training documents (is it empty? documents are its non-empty "
                             f"'{text_field}' values; local files hold out one in {round(1 / val_fraction)} for val)")
@@ -161,10 +140,8 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
               f"tokens): raise --val_fraction or use a larger corpus")
     return meta
 
-
 def _resume(out_dir, settings):
-    """The state an earlier run left in out_dir (None for a new folder), less what was damaged since: val.bin, the
-    shards from the first damaged one on, or everything when the tokenizer is not the one the shards were made with."""
+    """The meta an earlier run left in out_dir (None for a new folder), less the files damaged since."""
     if not os.path.isfile(os.path.join(out_dir, "meta.json")):
         return None
     meta = _read_meta(os.path.join(out_dir, "meta.json"))
@@ -182,10 +159,8 @@ def _resume(out_dir, settings):
     first = next((i for i in range(len(meta["shards"])) if shard_name(i) in damaged), None)
     return dict(meta, val=[] if "val.bin" in damaged else meta["val"], shards=meta["shards"][:first], complete=False)
 
-
 def _write_tokenizer(tokenizer, vocab_size, out_dir, docs):
-    """A new folder's tokenizer, as meta.json records it: T5's, a given sentencepiece file or one trained on the
-    corpus, copied in as tokenizer.model (one that another run left there is never reused); or gpt2's, no file."""
+    """A new folder's tokenizer, as meta.json records it; never a tokenizer.model another run left."""
     spiece = None
     if tokenizer == "train":
         print(f"training a {vocab_size}-piece sentencepiece model on the corpus")
@@ -194,33 +169,30 @@ def _write_tokenizer(tokenizer, vocab_size, out_dir, docs):
         source = t5_spiece() if tokenizer == "t5" else tokenizer
         if not os.path.isfile(source):
             raise UserError(f"tokenizer '{tokenizer}' is not 't5', 'gpt2', 'train' or a sentencepiece .model file")
-        Tokenizer(source)  # a file that is no sentencepiece model stops here, before it is copied
+        Tokenizer(source)  # no sentencepiece model: stop before copying it
         with open(source, "rb") as f:
             spiece = f.read()
-    if spiece is not None:
-        with atomic_write(os.path.join(out_dir, "tokenizer.model")) as f:
+    file = spiece and "tokenizer.model"
+    if file:
+        with atomic_write(os.path.join(out_dir, file)) as f:
             f.write(spiece)
-    tok = Tokenizer(spiece and os.path.join(out_dir, "tokenizer.model"))
+    tok = Tokenizer(file and os.path.join(out_dir, file))
     if tok.vocab_size > 1 << 16:
         raise UserError(f"the tokenizer's {tok.vocab_size} ids don't fit uint16: use one of at most {MAX_VOCAB_SIZE}")
-    return {"tokenizer_file": spiece and "tokenizer.model", "tokenizer_sha256": spiece and hashlib.sha256(
-        spiece).hexdigest(), "vocab_size": tok.vocab_size, "model_vocab_size": math.ceil(tok.vocab_size / 128) * 128,
-        "eos_id": tok.eos_id, "pad_id": tok.pad_id, "first_sentinel_id": tok.first_sentinel_id}
-
+    return {"tokenizer_file": file, "tokenizer_sha256": spiece and hashlib.sha256(spiece).hexdigest(),
+            "vocab_size": tok.vocab_size, "model_vocab_size": math.ceil(tok.vocab_size / 128) * 128,
+            "eos_id": tok.eos_id, "pad_id": tok.pad_id, "first_sentinel_id": tok.first_sentinel_id}
 
 def shard_name(i):
     return f"train_{i:03d}.bin"
 
-
 def _write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens, save, path, desc):
-    """Tokenise docs into files of shard_tokens ids (path(i) names file i; val.bin is one file), each written whole
-    once full. `shards` lists the finished ones, each with where its successor starts (a document and a token offset
-    into it), so that a rerun continues from exactly there."""
+    """Tokenise docs into files path(i) of shard_tokens ids; `shards`: those done, and where each next begins"""
     doc, offset = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     done = sum(s["tokens"] for s in shards)
     if done >= max_tokens or (shards and shards[-1]["tokens"] < shard_tokens):
-        return  # finished before: only the last file is short, at the end of the data
-    pieces, filled = [], 0  # the ids of the file being filled
+        return  # finished before: only the last file is short
+    pieces, filled = [], 0  # of the file being filled
 
     def write(next_doc, next_offset):
         with atomic_write(path(len(shards))) as f:
@@ -248,9 +220,8 @@ def _write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens, save
         if filled or not shards:  # the data ran out: the last file is short
             write(doc, 0)
 
-
 def _chunks(docs, chunk_chars=1 << 20):
-    # big enough to amortise handing a chunk to a thread, small enough that all threads stay busy until the end
+    # big enough to amortise handing it to a thread, small enough to keep every thread busy to the end
     chunk, chars = [], 0
     for doc in docs:
         chunk.append(doc)
@@ -261,10 +232,9 @@ def _chunks(docs, chunk_chars=1 << 20):
     if chunk:
         yield chunk
 
-
 def encoded_chunks(docs, tok, num_threads):
-    """(ids, document lengths) of chunks of docs, in order, tokenised by num_threads threads (the tokenizers release
-    the GIL) while this one reads on; at most 2 chunks per thread in flight, so a stream is never read far ahead."""
+    """(ids, document lengths) of docs' chunks in order, tokenised in threads (the tokenizers release the GIL), at
+    most 2 chunks per thread ahead, so that a stream is never read far ahead"""
     with ThreadPoolExecutor(num_threads) as pool:
         pending = deque()
         for chunk in _chunks(docs):
@@ -274,14 +244,10 @@ def encoded_chunks(docs, tok, num_threads):
         while pending:
             yield pending.popleft().result()
 
-
-# -----------------------------------------------------------------------------------------------------------------
 # sources: every one gives the same documents in the same order on every run
-
-
 def documents(dataset, split, text_field="text", val_fraction=0.005):
     """The documents of split 'train' or 'val'. Sources without a validation split hold out every
-    round(1 / val_fraction)-th document, starting with the first, so that even a small file has a val set."""
+    round(1 / val_fraction)-th document, the first included, so that even a small file has a val set."""
     name = dataset.lower()
     if name == "pydoc":
         texts, val_fraction = pydoc_documents(), max(val_fraction, 0.05)  # 0.5% of 2 MB would be 4 documents
@@ -300,17 +266,15 @@ def documents(dataset, split, text_field="text", val_fraction=0.005):
     every = max(2, round(1 / val_fraction)) if val_fraction < 1 else None
     return docs if every is None else (d for i, d in enumerate(docs) if (i % every == 0) == (split == "val"))
 
-
 def pydoc_documents():
-    """Python's own documentation, ~2 MB of English that needs no download: the pydoc topics (the language
-    reference), then for each standard-library module its docstring and those of its classes and functions."""
+    """~2 MB of English with no download: the pydoc topics, then the standard library's docstrings"""
     import ast
     import sysconfig
     import pydoc_data.topics
     for name in sorted(pydoc_data.topics.topics):
         yield pydoc_data.topics.topics[name]
     for folder, subfolders, files in os.walk(sysconfig.get_paths()["stdlib"]):
-        # the test suites' docstrings are mostly one-line "Test that ..." notes
+        # test suites' docstrings are mostly one-line "Test that ..." notes
         subfolders[:] = sorted(d for d in subfolders if d not in ("site-packages", "test", "tests", "__pycache__"))
         for file in sorted(f for f in files if f.endswith(".py")):
             try:
@@ -322,10 +286,8 @@ def pydoc_documents():
                 node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
             yield "\n\n".join(d for d in docstrings if d)
 
-
 def _local_texts(path, text_field):
-    """The text_field values of a local .txt (a document per paragraph), .jsonl or .json (JSON Lines, or one JSON
-    array), either optionally gzipped, or .parquet file; None where a record has none."""
+    """The text_field values of a local file, or a .txt's paragraphs; None where a record has none."""
     if os.path.isdir(path):
         raise UserError(f"{path} is a folder: pass one file of it, or a Hub dataset name")
     if not os.path.isfile(path):
@@ -346,16 +308,14 @@ def _local_texts(path, text_field):
         else:
             with opener(path, "rt", encoding="utf-8-sig") as f:
                 head = f.read(1 << 12).lstrip()
-            if head.startswith("["):  # one JSON array; C4's .json files are JSON Lines
-                with opener(path, "rt", encoding="utf-8-sig") as f:
+                if head.startswith("["):  # one JSON array; C4's .json files are JSON Lines
+                    f.seek(0)
                     yield from (record.get(text_field) for record in json.load(f))
-            elif head:
-                yield from _json_lines(path, text_field)
-
+                elif head:
+                    yield from _json_lines(path, text_field)
 
 def _json_lines(path, text_field):
-    # pyarrow, told the one field needed, parses in its own threads and skips the others: a third of the CPU time of
-    # parsing every field in one thread, and tokenising needs the cores
+    # pyarrow parses just this field, in its own threads: the cores are for tokenising
     import pyarrow as pa
     import pyarrow.json as paj
     options = paj.ParseOptions(explicit_schema=pa.schema([(text_field, pa.string())]),
@@ -372,33 +332,25 @@ def _json_lines(path, text_field):
         reason = re.sub(r"in row (\d+)", lambda m: f"on line {rows + int(m[1]) + 1}", str(e))
         raise UserError(f"{path} is not JSON Lines with a string '{text_field}' field: {reason}") from None
 
-
 def _column(split, text_field):
-    for batch in split.iter(batch_size=1000):  # ~6x faster than one dict per row
+    for batch in split.iter(batch_size=1000):  # not a slow dict per row
         if text_field not in batch:
             raise UserError(f"the dataset has no '{text_field}' field (it has {', '.join(batch)}): set --text_field")
         yield from batch[text_field]
-
 
 def hub_check(repo_id, repo_type, hint):
     """Fail in seconds, not after minutes of retries, when the Hub can't be reached or has no such repo."""
     from huggingface_hub import HfApi
     try:
         HfApi().repo_info(repo_id, repo_type=repo_type, timeout=3)
-    except Exception as e:  # offline (HF_HUB_OFFLINE too), no such or a private repo, the http client's errors
+    except Exception as e:  # offline, no such or a private repo, the http client's errors
         raise UserError(f"can't get the {repo_type} '{repo_id}' from the Hugging Face Hub ({type(e).__name__}): check "
                         f"the name, or {hint}") from None
 
-
-# -----------------------------------------------------------------------------------------------------------------
 # tokenizers, each with 100 sentinels appended to its vocab
-
-
 class Tokenizer:
     """A sentencepiece model_file with T5's conventions (pad 0, eos 1, unk 2, <extra_id_i> = pieces + 99 - i), or
-    without one tiktoken's GPT-2 BPE (eos <|endoftext|>, <extra_id_i> = 50356 - i, pad 50357). Both encode without
-    the GIL, so that threads tokenise in parallel."""
-
+    without one tiktoken's GPT-2 BPE (eos <|endoftext|>, <extra_id_i> = 50356 - i, pad 50357)."""
     def __init__(self, model_file=None):
         if model_file:
             import sentencepiece as spm
@@ -407,6 +359,7 @@ class Tokenizer:
             self.vocab_size = self.sp.get_piece_size() + NUM_SENTINELS
             self.eos_id, self.pad_id, self.unk_id = self.sp.eos_id(), self.sp.pad_id(), self.sp.unk_id()
             self.first_sentinel_id = self.vocab_size - 1
+            self.encode, self._decode = self.sp.encode, self.sp.decode
             return
         import tiktoken
         try:
@@ -416,26 +369,24 @@ class Tokenizer:
                             f"--tokenizer=train or a local sentencepiece .model file") from None
         self.eos_id, self.unk_id = self.enc.eot_token, None  # byte-level BPE has no unknown token
         self.first_sentinel_id = self.enc.n_vocab + NUM_SENTINELS - 1
-        self.pad_id = self.vocab_size = self.first_sentinel_id + 1
-        self.vocab_size += 1
-
-    def encode(self, text):  # ordinary: a text that contains "<|endoftext|>" is just text
-        return self.sp.encode(text) if hasattr(self, "sp") else self.enc.encode_ordinary(text)
+        self.pad_id = self.first_sentinel_id + 1
+        self.vocab_size = self.pad_id + 1
+        # ordinary: a text that contains "<|endoftext|>" is just text
+        self.encode, self._decode = self.enc.encode_ordinary, self.enc.decode
 
     def encode_documents(self, texts):
         """(uint16 ids of all texts, each followed by EOS; each one's length)"""
         if hasattr(self, "sp"):  # int arrays, not lists: a Python int per token is what holds the GIL
             ids = self.sp.encode(texts, add_eos=True, num_threads=1, out_type="numpy")
         else:
-            ids = [self.enc.encode_ordinary(text) + [self.eos_id] for text in texts]
+            ids = [self.encode(text) + [self.eos_id] for text in texts]
         return np.concatenate(ids).astype(np.uint16), np.array([len(x) for x in ids], dtype=np.int64)
 
     def is_sentinel(self, i):
         return self.first_sentinel_id - NUM_SENTINELS < i <= self.first_sentinel_id
 
     def decode(self, ids, skip_special_tokens=False):
-        """text, with <extra_id_i> spelled out with a space on each side as T5's tokenizer shows them; or without
-        sentinels, EOS or UNK, as Hugging Face's decode(skip_special_tokens=True), which Tk-Instruct scores"""
+        """text as T5's tokenizer shows it, or as HF's skip_special_tokens=True (which Tk-Instruct scores)"""
         skipped = {self.pad_id, *((self.eos_id, self.unk_id) if skip_special_tokens else ())}
         parts, run = [], []
         for i in map(int, ids):
@@ -446,19 +397,14 @@ class Tokenizer:
                 run.append(i)
         return " ".join(part for part in parts + [self._decode(run)] if part)
 
-    def _decode(self, ids):
-        return self.sp.decode(ids) if hasattr(self, "sp") else self.enc.decode(ids)
-
-
 def t5_spiece():
-    """T5 v1.1's sentencepiece model (shared by t5-v1_1, flan-t5 and nanoT5), from the Hub cache or the Hub."""
+    """T5 v1.1's sentencepiece model (t5-v1_1, flan-t5 and nanoT5 share it), from the Hub cache or the Hub."""
     from huggingface_hub import hf_hub_download
     try:
         return hf_hub_download("google/t5-v1_1-base", "spiece.model", local_files_only=True)
     except FileNotFoundError:  # not cached yet
         hub_check("google/t5-v1_1-base", "model", "pass a local copy of T5's spiece.model instead")
         return hf_hub_download("google/t5-v1_1-base", "spiece.model")
-
 
 def _train_spiece(texts, vocab_size, max_chars=20_000_000):
     """A unigram sentencepiece model with T5's special ids, trained on the first max_chars characters of texts."""
@@ -480,11 +426,7 @@ def _train_spiece(texts, vocab_size, max_chars=20_000_000):
         raise UserError(f"sentencepiece training failed: {reason}{fix}") from None
     return model.getvalue()
 
-
-# -----------------------------------------------------------------------------------------------------------------
 # reading a prepared folder back
-
-
 def _read_meta(path):
     with reading(path, "{path} is not the meta.json prepare.py writes ({reason}): delete its folder and prepare it "
                        "again"), open(path, encoding="utf-8") as f:
@@ -494,10 +436,8 @@ def _read_meta(path):
             raise KeyError(missing[0])
     return meta
 
-
 def load_meta(data_dir):
-    """meta.json of a complete prepared folder, with what follows from it: data_dir (absolute), source, train_shards
-    (their names), train_tokens, val_tokens, train_documents, val_documents."""
+    """meta.json of a complete prepared folder, with data_dir, source, train_shards and each split's counts"""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         raise UserError(f"{data_dir} holds no prepared data (no meta.json): run e.g. `python prepare.py "
                         f"--dataset=c4 --out_dir={data_dir}` or `python prepare.py --dataset=pydoc --tokenizer=train "
@@ -506,19 +446,18 @@ def load_meta(data_dir):
     if not meta["complete"]:
         raise UserError(f"{data_dir} is not completely prepared: finish it with "
                         f"`{prepare_command(meta['settings'], data_dir)}`")
-    counts = {split: (sum(s["tokens"] for s in files), files[-1]["next_doc"] + (files[-1]["next_offset"] > 0))
-              for split, files in (("train", meta["shards"]), ("val", meta["val"]))}
-    return dict(meta, data_dir=os.path.abspath(data_dir), source=meta["settings"]["dataset"],
-                train_shards=list(map(shard_name, range(len(meta["shards"])))),
-                train_tokens=counts["train"][0], train_documents=counts["train"][1], val_tokens=counts["val"][0],
-                val_documents=counts["val"][1])
-
+    meta = dict(meta, data_dir=os.path.abspath(data_dir), source=meta["settings"]["dataset"],
+                train_shards=list(map(shard_name, range(len(meta["shards"])))))
+    for split, files in (("train", meta["shards"]), ("val", meta["val"])):
+        meta[f"{split}_tokens"] = sum(file["tokens"] for file in files)
+        meta[f"{split}_documents"] = files[-1]["next_doc"] + (files[-1]["next_offset"] > 0)  # the last one, if cut
+    return meta
 
 def damaged_files(data_dir, meta, names=None):
-    """{name: what is wrong} for the named files of a prepared folder (by default every file meta.json lists) that
-    are not as prepare.py wrote them: missing, of another size, or a tokenizer of another hash."""
+    """{name: what is wrong} for the named files (by default all) that are not as meta.json describes them"""
     tokens = {shard_name(i): shard["tokens"] for i, shard in enumerate(meta["shards"])}
-    tokens.update({"val.bin": meta["val"][0]["tokens"]} if meta["val"] else {})
+    if meta["val"]:
+        tokens["val.bin"] = meta["val"][0]["tokens"]
     damaged = {}
     for name in names or [name for name in (meta["tokenizer_file"], *tokens) if name]:
         path = os.path.join(data_dir, name)
@@ -534,38 +473,34 @@ def damaged_files(data_dir, meta, names=None):
                              f"{tokens[name]:,} of meta.json")
     return damaged
 
-
 def prepare_command(settings, data_dir):
-    """the command line that made a prepared folder; run again, it rebuilds the folder's damaged files"""
+    """the command that made a prepared folder, and rebuilds its damaged files"""
     flags = " ".join(f"--{key}={shlex.quote(str(value))}" for key, value in settings.items() if value is not None)
     return f"python prepare.py {flags} --out_dir={shlex.quote(os.path.abspath(data_dir))}"
 
-
 def check_files(meta, names):
-    """stop with one line naming the first damaged file of these, and the command that rebuilds it"""
     for problem in damaged_files(meta["data_dir"], meta, names).values():
         raise UserError(f"{problem}: rebuild it with `{prepare_command(meta['settings'], meta['data_dir'])}`")
 
-
 def load_tokenizer(meta, hf_folder=""):
-    """The tokenizer of a prepared folder, from its path or meta (as checkpoints keep it), checked to be the one its
-    shards were made with; without meta, T5's (for Hugging Face weights: hf_folder's spiece.model, or the Hub's)."""
+    """A prepared folder's tokenizer (from its path, or its meta as checkpoints keep it), checked; without meta,
+    T5's: hf_folder's spiece.model, or the Hub's."""
     if not meta:
-        spiece = os.path.join(hf_folder, "spiece.model")  # t5-v1_1, flan-t5 and nanoT5 share one
+        spiece = os.path.join(hf_folder, "spiece.model")
         return Tokenizer(spiece if os.path.isfile(spiece) else t5_spiece())
     meta = load_meta(meta) if isinstance(meta, str) else meta
     if meta["tokenizer_file"]:
         check_files(meta, [meta["tokenizer_file"]])
     return Tokenizer(meta["tokenizer_file"] and os.path.join(meta["data_dir"], meta["tokenizer_file"]))
 
+@functools.lru_cache(maxsize=1)
+def _permutation(seed, num_windows, epoch):
+    return np.random.default_rng([seed, 0, epoch]).permutation(num_windows)
 
 class SpanCorruptionBatches:
-    """Span-corrupted batches of raw_length windows of a prepared folder. Row r of the global batch of optimizer step
-    k is a pure function of (seed, k, r): its window comes from a seeded permutation of all windows per epoch, its
-    noise from an rng seeded with (seed, k, r). Each micro-step and rank builds only its own rows, so resuming,
-    more GPUs or another grad_accum_steps change nothing about the data. Validation takes val.bin's windows in order,
-    with noise that ignores the seed, so eval losses compare across runs. Each file is checked as it is opened."""
-
+    """Span-corrupted batches of a prepared folder. Row r of step k's global batch is a function of (seed, k, r),
+    so that resuming, more GPUs or another grad_accum_steps change nothing; val's rows ignore the seed, so that
+    eval losses compare across runs."""
     def __init__(self, data_dir, split, batch_size, input_length, noise_density, mean_noise_span_length, seed,
                  vocab_size):
         self.meta = load_meta(data_dir)
@@ -573,7 +508,7 @@ class SpanCorruptionBatches:
             raise UserError(f"{data_dir} was tokenised with '{self.meta['settings']['tokenizer']}' for a model vocab "
                             f"of {self.meta['model_vocab_size']}, but the model's vocab_size is {vocab_size}: use "
                             f"data prepared with the model's tokenizer")
-        self.split, self.batch_size, self.seed, self.input_length = split, batch_size, seed, input_length
+        self.split, self.batch_size, self.seed = split, batch_size, seed
         self.noise = (noise_density, mean_noise_span_length, self.meta["first_sentinel_id"], self.meta["eos_id"])
         self.raw_length, self.targets_length = compute_input_and_target_lengths(
             input_length, noise_density, mean_noise_span_length)
@@ -585,26 +520,21 @@ class SpanCorruptionBatches:
                 raise UserError(f"{os.path.join(data_dir, name)} holds token id {shard.max()}, beyond the model's "
                                 f"vocab_size {vocab_size}: the data is corrupt or from another tokenizer; make it "
                                 f"again with `{prepare_command(self.meta['settings'], data_dir)}`")
-        # non-overlapping windows within each shard; the < raw_length tokens at each shard's end are dropped
-        windows = [len(s) // self.raw_length for s in self.shards]
+        windows = [len(s) // self.raw_length for s in self.shards]  # each shard's, not overlapping
         self.num_windows = sum(windows)
         if self.num_windows == 0:
             raise UserError(f"the {split} data in {data_dir} has fewer than {self.raw_length} tokens, not one "
                             f"window: prepare more data or lower input_length")
         self.first_window = np.cumsum([0] + windows)  # of each shard
-        self._permutation = (None, None)  # (epoch, permutation of all windows)
 
     def _windows(self, sample):
         if self.split != "train":
             return sample % self.num_windows
         windows = np.empty_like(sample)
         epoch = sample // self.num_windows
-        for e in np.unique(epoch):  # a batch spans at most two epochs unless the data is tiny
-            permutation = self._permutation  # one read: Prefetcher's thread may replace it meanwhile
-            if permutation[0] != e:
-                permutation = (e, np.random.default_rng([self.seed, 0, e]).permutation(self.num_windows))
-                self._permutation = permutation
-            windows[epoch == e] = permutation[1][sample[epoch == e] % self.num_windows]
+        for e in np.unique(epoch):  # each epoch in its own order
+            permutation = _permutation(self.seed, self.num_windows, e)
+            windows[epoch == e] = permutation[sample[epoch == e] % self.num_windows]
         return windows
 
     def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
@@ -619,16 +549,10 @@ class SpanCorruptionBatches:
         rngs = [np.random.default_rng([self.seed, 1, step, r] if self.split == "train" else [2, step, r]) for r in rows]
         return tuple(torch.from_numpy(t).to(device) for t in span_corrupt(raw, *self.noise, rngs))
 
-
 class Prefetcher:
-    """
-    prefetcher(step) -> get_batch(micro_step) for optim.train_step: this rank's micro-batches of `step`. While the
-    caller runs step k, one thread builds step k + 1 (numpy releases the GIL; no DataLoader workers, whose pickling
-    and copies a fixed order of steps doesn't need); any other step is built at once. On CUDA the thread pins the
-    batches, so that the copy to the GPU is asynchronous; the pinned-memory cache hands out a buffer again only once
-    its copy is done.
-    """
-
+    """prefetcher(step) -> get_batch(micro_step), this rank's micro-batches of `step` for optim.train_step. One
+    thread builds them while the caller runs step - 1 (the order of steps is known: no DataLoader workers), and on
+    CUDA pins them, so that the copy to the GPU is asynchronous."""
     def __init__(self, data, grad_accum_steps, rank, world_size, device):
         self.data, self.grad_accum_steps, self.rank, self.world_size = data, grad_accum_steps, rank, world_size
         self.device = torch.device(device)
@@ -655,20 +579,15 @@ class Prefetcher:
         """stop the thread, dropping a batch built ahead that no step will use"""
         self.pool.shutdown(cancel_futures=True)
 
-
-# -----------------------------------------------------------------------------------------------------------------
 # what an evaluation shows: two examples filled in, and how many spans the model gets right
-
-
 def shown_length(tok, ids, num_spans=3):
     """How many of ids (a fill or a true fill) hold their first num_spans spans: up to the next sentinel or EOS."""
     ends = [i for i, token in enumerate(ids) if token in (tok.eos_id, tok.first_sentinel_id - num_spans)]
     return ends[0] if ends else len(ids)
 
-
 def show_fill(tok, inputs, fill, truth, num_spans=3, context=6):
-    """What an evaluation prints of one span-corrupted example: the input around its first num_spans sentinels
-    (context tokens each side, gaps shown as ...), and the model's fill and the true fill of those sentinels."""
+    """One span-corrupted example as an evaluation prints it: the input around its first num_spans sentinels, and
+    the model's and the true fill of those."""
     inputs, fill, truth = (np.asarray(ids).tolist() for ids in (inputs, fill, truth))
     shown = [i for i, token in enumerate(inputs) if tok.is_sentinel(token)][:num_spans]
     keep = sorted({j for i in shown for j in range(max(i - context, 0), min(i + context + 1, len(inputs)))})
@@ -676,7 +595,6 @@ def show_fill(tok, inputs, fill, truth, num_spans=3, context=6):
     text = " ... ".join(tok.decode([inputs[j] for j in run]).strip() for run in runs)
     model, true = (tok.decode(ids[:shown_length(tok, ids, num_spans)]).strip() for ids in (fill, truth))
     return {"input": ("... " if keep and keep[0] > 0 else "") + text + " ...", "model": model, "truth": true}
-
 
 def span_accuracy(logits, labels, first_sentinel_id):
     """(spans right, spans) of a batch under teacher forcing, as tensors: a noise span is right when the model's
@@ -686,7 +604,6 @@ def span_accuracy(logits, labels, first_sentinel_id):
     wrong = ((logits.argmax(-1) != labels) & (span > 0)).float()
     wrong_per_span = torch.zeros(labels.size(0), labels.size(1) + 1, device=labels.device).scatter_add_(1, span, wrong)
     return sentinel.sum() - (wrong_per_span[:, 1:] > 0).sum(), sentinel.sum()
-
 
 def span_fills(labels, first_sentinel_id):
     """the fills, as tuples of ids, of every noise span in a (B, T) batch of labels, each row ending with EOS"""
@@ -698,10 +615,8 @@ def span_fills(labels, first_sentinel_id):
             fills[-1] += (token,)
     return fills
 
-
 def unigram_baseline(train, val, val_steps, train_spans=10_000):
-    """(the fill most common in training, the span accuracy of always writing it on val's first val_steps batches):
-    what a model that ignores its input scores. Span accuracy well above it is the model reading the context."""
+    """(the commonest training fill, span accuracy on val always writing it): the score of ignoring the input"""
     first, fills, step = train.meta["first_sentinel_id"], [], 0
     while len(fills) < train_spans:
         fills, step = fills + span_fills(train.get(step)[1], first), step + 1
@@ -709,13 +624,9 @@ def unigram_baseline(train, val, val_steps, train_spans=10_000):
     val_fills = [fill for step in range(val_steps) for fill in span_fills(val.get(step)[1], first)]
     return common, val_fills.count(common) / len(val_fills)
 
-
-# -----------------------------------------------------------------------------------------------------------------
-
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     try:
-        prepare(dataset, tokenizer, out_dir, vocab_size, max_train_tokens, num_proc, text_field, shard_tokens,
-                val_fraction, max_val_tokens)
+        prepare(**config)
     except KeyboardInterrupt:
         raise SystemExit("interrupted: finished shards are kept, run the same command again to continue")
