@@ -23,8 +23,7 @@ from optim import check_optimizer, make_optimizer, param_groups, train_step
 from prepare import load_tokenizer
 from runtime import (CHECKPOINTS, DTYPES, Logger, Sync, UserError, atomic_write, check_device, check_fsdp,
                      check_resume, checkpoint_state, claim_out_dir, load_checkpoint, load_model, micro_batch_size,
-                     print0, reading, restore_state, save_checkpoint, setup_runtime, unsharded_copy,
-                     wrap_model)
+                     print0, reading, restore_state, save_checkpoint, setup_runtime, unsharded_copy, wrap_model)
 
 # -----------------------------------------------------------------------------
 # default config: nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data
@@ -77,7 +76,7 @@ valid.update(device=check_device, dtype=DTYPES, compile="any", fsdp=check_fsdp, 
 # -----------------------------------------------------------------------------
 
 def read_task(path):
-    """One SNI task file as a dict, or None when it can't be read or a field is missing or of the wrong type."""
+    """One SNI task file as a dict, or None if it can't be read or a field is missing or of the wrong type."""
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -193,26 +192,23 @@ def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens,
     """Greedy predictions for this rank's share of the examples, as (index into examples, text) pairs."""
     # sorted by length, a batch's prompts need little padding
     shard = sorted(range(rank, len(examples), world_size), key=lambda i: len(examples[i]["input_ids"]))
-    eos_id, pad_id = model.config.eos_token_id, model.config.pad_token_id
+    eos_id = model.config.eos_token_id
     predictions = []
-    with tqdm(total=len(shard), desc="generating", unit="example", disable=rank != 0) as bar:
-        for start in range(0, len(shard), batch_size):
-            indices = shard[start:start + batch_size]
-            input_ids, _, attention_mask = collate([examples[i] for i in indices], pad_id)
-            with autocast():
-                generated = model.generate(input_ids.to(device), attention_mask.to(device), max_new_tokens)
-            for i, ids in zip(indices, generated.tolist()):
-                ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
-                predictions.append((i, tokenizer.decode(ids, skip_special_tokens=True)))  # as Tk-Instruct scores
-            bar.update(len(indices))
+    for start in tqdm(range(0, len(shard), batch_size), desc="generating", unit="batch", disable=rank != 0):
+        indices = shard[start:start + batch_size]
+        input_ids, _, attention_mask = collate([examples[i] for i in indices], model.config.pad_token_id)
+        with autocast():
+            generated = model.generate(input_ids.to(device), attention_mask.to(device), max_new_tokens)
+        for i, ids in zip(indices, generated.tolist()):
+            ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
+            predictions.append((i, tokenizer.decode(ids, skip_special_tokens=True)))  # as Tk-Instruct scores
     return predictions
 
-# -----------------------------------------------------------------------------
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     rt = setup_runtime(device, dtype, seed)
     micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
-    # before any work: a new run never replaces another run's results, two runs never share out_dir
+    # before any work: no run replaces another run's results, or shares its out_dir
     resuming = init_from == "resume"
     results = ("metrics.json", "predictions.jsonl", *(() if eval_only else CHECKPOINTS))
     out_dir_lock = claim_out_dir(out_dir, rt, fresh=not resuming, results=results)  # held while the process lives
