@@ -57,15 +57,14 @@ max_steps = 0  # 0: `epochs` passes over the train examples
 dropout = 0.1  # T5's fine-tuning value; pre-training runs without
 valid.update(optimizer=check_optimizer, lr="> 0", weight_decay=">= 0", grad_clip=">= 0", batch_size="> 0",
              grad_accum_steps="> 0", epochs="> 0", max_steps=">= 0", dropout="in [0, 1)")
-# intervals, in optimizer steps, as in train.py
+# intervals, in optimizer steps as in train.py, and evaluation
 eval_interval = 0  # Rouge-L on the test tasks; 0: only at the end
 log_interval = 10
 checkpoint_interval = 1000
-valid.update(eval_interval=">= 0", log_interval="> 0", checkpoint_interval="> 0")
-# evaluation
 eval_batch_size = 32
 max_new_tokens = 128
-valid.update(eval_batch_size="> 0", max_new_tokens="> 0")
+valid.update(eval_interval=">= 0", log_interval="> 0", checkpoint_interval="> 0", eval_batch_size="> 0",
+             max_new_tokens="> 0")
 # system
 device = "auto"  # cuda > mps > cpu
 dtype = "float32"  # as the paper's fine-tuning numbers
