@@ -11,6 +11,7 @@ process on the same weights, what one would otherwise use.
 """
 import copy
 import gc
+import itertools
 import os
 import resource
 import statistics
@@ -26,12 +27,12 @@ from prepare import Prefetcher, SpanCorruptionBatches, compute_input_and_target_
 from runtime import DTYPES, UserError, check_device, flops_per_step, mfu, micro_batch_size, print0, setup_runtime
 
 # -----------------------------------------------------------------------------------------------------------------
-# default config; --key=value overrides any of these, and `valid` below each group says what values they may take
+# default config; `valid` below each group says what values its keys may take
 valid = {}
 part = "train"  # 'train', 'generate' (greedy decoding), 'optim' (one optimizer step) or 'data' (one batch)
 compare = ""  # 'hf': against transformers; 'null': ours twice; '': train alone, the others against their reference
-table = False  # part=train: every dtype x compile row in one run, each at the largest micro-batch that fits
-data_dir = ""  # a prepare.py folder to time real span-corrupted batches; '' -> random ids, no loading in the step
+table = False  # part=train: every dtype x compile row, each at the largest micro-batch that fits
+data_dir = ""  # a prepare.py folder for real batches; '' -> random ids, no loading in the step
 valid.update(part=("train", "generate", "optim", "data"), compare=("", "hf", "null"), table="any", data_dir="any")
 # model and shapes
 model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
@@ -45,7 +46,7 @@ max_new_tokens = 128
 valid.update(model=("", *PRESETS), batch_size=">= 0", grad_accum_steps="> 0", input_length=">= 3",
              noise_density="in (0, 1)", mean_noise_span_length=">= 1", generate_batch_size="> 0", max_new_tokens="> 0")
 # timing
-burn_in = 3  # untimed calls first (compilation, warm-up, optimizer state); the first is timed apart, as "1st call"
+burn_in = 3  # untimed calls first (compilation, warm-up); the first is timed apart, as "1st call"
 steps = 10  # timed calls (per side when two are compared)
 peak_flops = 0.0  # dense peak FLOP/s for MFU; 0 -> runtime.PEAK_FLOPS for known GPUs
 valid.update(burn_in=">= 0", steps="> 0", peak_flops=">= 0")
@@ -64,7 +65,6 @@ PAPER_A100_S_PER_STEP = {("float32", False): 4.10, ("tfloat32", False): 1.39, ("
 TABLE_ROWS = [(row_dtype, row_compile) for row_compile in (False, True)
               for row_dtype in ("float32", "tfloat32", "bfloat16")]
 
-
 def timed(fn):
     t0 = time.perf_counter()
     fn()
@@ -72,21 +72,16 @@ def timed(fn):
         torch.cuda.synchronize()  # the device's work, not just its launch
     return time.perf_counter() - t0
 
-
 def burn(fn, burn_in):
-    """the untimed calls before timing; returns the seconds of the first, which compiles (None when burn_in is 0)"""
+    """the untimed calls; returns the seconds of the first (it compiles), or None"""
     first = timed(fn) if burn_in else None
     for _ in range(burn_in - 1):
         fn()
     return first
 
-
 def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
-    """
-    Median seconds per call of two (name, fn) sides, timed in the order A B B A A B ... after burn_in calls of each,
-    so that drift (other processes, clocks, caches) lands on both alike. Prints both as throughput (work units per
-    call), the ratio, and with compiled=True each side's first, compiling call. Every comparison here goes through it.
-    """
+    """Median seconds per call of two (name, fn) sides, timed A B B A A B ... so that drift lands on both alike;
+    prints each as work per second, the ratio, and with compiled=True each side's first call apart."""
     firsts = [burn(fn, burn_in) for _, fn in (a, b)]
     times = ([], [])
     for i in range(steps):
@@ -99,30 +94,26 @@ def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
     print0(f"{a[0]} / {b[0]}: {medians[1] / medians[0]:.2f}x the throughput (medians of {steps} alternating calls)")
     return medians
 
-
 def peak_memory():
-    """bytes: the CUDA allocator's high-water mark, or on CPU the whole process's max resident set so far"""
+    """bytes: the CUDA allocator's high-water mark, or on CPU the process's max resident set"""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
-
 def build_model(rt, model_name, vocab_size, seed=1337):
     torch.manual_seed(seed)
     return T5(T5Config.from_preset(model_name, vocab_size=vocab_size)).to(rt.device)
-
 
 def twin(t5, rt, compare):
     """the other side, with exactly our weights: ours again (null), or transformers' T5 through our save_pretrained"""
     if compare == "null":
         return copy.deepcopy(t5)
     import transformers
-    transformers.logging.set_verbosity_error()  # its loading bar and its note on our untied lm_head drown timings
+    transformers.logging.set_verbosity_error()  # its loading bar and notes would drown the timings
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:
         t5.save_pretrained(folder)
         return transformers.T5ForConditionalGeneration.from_pretrained(folder).to(rt.device)
-
 
 class TransformersAdapter(torch.nn.Module):
     """transformers' T5 behind our forward's signature, so that optim.train_step runs it unchanged"""
@@ -135,56 +126,47 @@ class TransformersAdapter(torch.nn.Module):
         out = self.hf(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
         return out.logits, out.loss
 
+def targets_length(input_length):
+    return compute_input_and_target_lengths(input_length, noise_density, mean_noise_span_length)[1]
 
-def batches(rt, batch_size, grad_accum_steps, input_length, targets_length, vocab_size, data_dir="", seed=1337):
-    """get_batch for train_step: real batches from data_dir, a new one each step, built ahead in a thread as train.py
-    does; or one fixed random batch, and then the step does no data loading at all"""
+def batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, data_dir="", seed=1337):
+    """next_batch() -> a step's get_batch: from data_dir a new batch each step, prefetched as train.py does; else
+    one fixed random batch, and the step loads no data"""
+    if data_dir:
+        data = SpanCorruptionBatches(data_dir, "train", batch_size, input_length, noise_density,
+                                     mean_noise_span_length, seed, vocab_size)
+        prefetcher, steps = Prefetcher(data, grad_accum_steps, 0, 1, rt.device), itertools.count()
+        return lambda: prefetcher(next(steps))
     micro = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
-    if not data_dir:
-        generator = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(0, vocab_size, (micro, input_length), generator=generator).to(rt.device)
-        labels = torch.randint(0, vocab_size, (micro, targets_length), generator=generator).to(rt.device)
-        return lambda micro_step: (input_ids, labels, None)
-    data = SpanCorruptionBatches(data_dir, "train", batch_size, input_length, noise_density, mean_noise_span_length,
-                                 seed, vocab_size)
-    prefetcher, state = Prefetcher(data, grad_accum_steps, 0, 1, rt.device), {"step": -1}
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (micro, input_length), generator=generator).to(rt.device)
+    labels = torch.randint(0, vocab_size, (micro, targets_length(input_length)), generator=generator).to(rt.device)
+    return lambda: lambda micro_step: (input_ids, labels, None)
 
-    def get_batch(micro_step):
-        if micro_step == 0:
-            state["step"] += 1
-            state["batches"] = prefetcher(state["step"])
-        return state["batches"](micro_step)
-    return get_batch
-
-
-def training_step(net, rt, get_batch, grad_accum_steps, compile_model, lr=2e-2, grad_clip=1.0):
-    """one call = one optimizer step of optim.train_step, with train.py's optimizer and clipping"""
+def training_step(net, rt, next_batch, grad_accum_steps, compile_model, lr=2e-2, grad_clip=1.0):
+    """one call = one optimizer step, with train.py's optimizer and clipping"""
     optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr)
     net = torch.compile(net) if compile_model else net
-    return lambda: train_step(net, optimizer, get_batch, grad_accum_steps, lr, grad_clip, autocast=rt.autocast)
-
+    return lambda: train_step(net, optimizer, next_batch(), grad_accum_steps, lr, grad_clip, autocast=rt.autocast)
 
 def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length, compile_model, steps=10,
                 burn_in=3, peak_flops=0.0, data_dir="", seed=1337):
     """our training step alone: (s/step, tokens/s, MFU or None, peak memory in bytes, first call's seconds)"""
-    targets_length = compute_input_and_target_lengths(input_length, noise_density, mean_noise_span_length)[1]
     t5 = build_model(rt, model_name, vocab_size, seed)
-    get_batch = batches(rt, batch_size, grad_accum_steps, input_length, targets_length, vocab_size, data_dir, seed)
-    step_fn = training_step(t5, rt, get_batch, grad_accum_steps, compile_model)
+    next_batch = batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, data_dir, seed)
+    step_fn = training_step(t5, rt, next_batch, grad_accum_steps, compile_model)
     if rt.device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     first = burn(step_fn, burn_in)
     dt = statistics.median(timed(step_fn) for _ in range(steps))
-    mfu_now = mfu(flops_per_step(t5, batch_size, input_length, targets_length), dt, rt.world_size,
-                  rt.peak_flops(peak_flops))
-    return dt, batch_size * (input_length + targets_length) / dt, mfu_now, peak_memory(), first
-
+    flops = flops_per_step(t5, batch_size, input_length, targets_length(input_length))
+    tokens = batch_size * (input_length + targets_length(input_length))
+    return dt, tokens / dt, mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops)), peak_memory(), first
 
 def bench_train_fitting(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length, compile_model,
                         **kwargs):
-    """bench_train at the largest power-of-two micro-batch that fits: from the asked one down, halving after each
-    torch.OutOfMemoryError, with grad_accum_steps raised to keep the batch. Returns (micro-batch, its results);
-    raises the last OutOfMemoryError when not even one example fits."""
+    """(micro-batch, bench_train's results) at the largest power-of-two micro-batch that fits, halving it (and
+    raising grad_accum_steps) after each torch.OutOfMemoryError; raises the last one if not one example fits"""
     micro = 1
     while micro * 2 <= batch_size // grad_accum_steps and batch_size % (micro * 2) == 0:
         micro *= 2
@@ -201,10 +183,8 @@ def bench_train_fitting(rt, model_name, vocab_size, batch_size, grad_accum_steps
         if rt.device_type == "cuda":
             torch.cuda.empty_cache()
 
-
 def print_table(device, model_name, vocab_size, batch_size, input_length, rows=TABLE_ROWS, **kwargs):
-    """one line per (dtype, compile) row, each at the micro-batch that fits; a row that fails says why, and the table
-    goes on"""
+    """one line per (dtype, compile) row, at the micro-batch that fits; a row that fails says why"""
     print0(f"{'precision':>10s} {'compile':>8s} {'micro':>6s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>6s} "
            f"{'peak mem':>9s} {'1st call':>8s} {'paper, A100':>12s}")
     for row_dtype, row_compile in rows:
@@ -218,7 +198,7 @@ def print_table(device, model_name, vocab_size, batch_size, input_length, rows=T
         try:
             micro, (dt, tokens_per_s, mfu_now, memory, first) = bench_train_fitting(
                 row_rt, model_name, vocab_size, batch_size, 1, input_length, row_compile, **kwargs)
-        except Exception as e:  # one row's failure (out of memory at micro-batch 1, a compiler error) is reported
+        except Exception as e:  # out of memory at micro-batch 1, a compiler error
             print0(f"{head}  failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:80]}")
             continue
         mfu_text = f"{100 * mfu_now:5.1f}%" if mfu_now else f"{'-':>6s}"
@@ -226,15 +206,13 @@ def print_table(device, model_name, vocab_size, batch_size, input_length, rows=T
         print0(f"{head} {micro:6d} {dt:8.2f} {tokens_per_s:10,.0f} {mfu_text} {memory / 2**30:7.2f}GB {first_text} "
                f"{paper_text}")
 
-
-def bench_generate(rt, t5, other, compare, batch_size, input_length, max_new_tokens, compile_step, steps, burn_in,
-                   seed=1337):
-    """Greedy decoding of batch_size x max_new_tokens; compile_step: ours compiles its one-token decode step
-    (gpt-fast's way), transformers' generate runs as it is. Random weights often pick EOS early, and a batch that
-    stops early does less work: both get an EOS id no token has (ours -1, transformers' None), and run every step."""
+def bench_generate(rt, t5, other, other_name, batch_size, input_length, max_new_tokens, compile_step, steps,
+                   burn_in, seed=1337):
+    """Greedy decoding of batch_size x max_new_tokens; compile_step: ours compiles its decode step (gpt-fast's
+    way). Random weights pick EOS early: both get an EOS id no token has (ours -1, transformers' None)."""
     t5.eval().config.eos_token_id = -1
     other.eval()
-    if compare == "null":
+    if isinstance(other, T5):
         other.config.eos_token_id = -1
     else:
         other.generation_config.eos_token_id = None
@@ -253,10 +231,8 @@ def bench_generate(rt, t5, other, compare, batch_size, input_length, max_new_tok
                            f"{(batch_size, max_new_tokens)}")
     print0(f"greedy decoding of {batch_size} x {max_new_tokens} new tokens after {input_length} input tokens; "
            f"{100 * (ours == theirs).float().mean():.1f}% of the tokens agree")
-    other_name = "ours again" if compare == "null" else "transformers"
     side_by_side(("ours", lambda: run(t5)), (other_name, lambda: run(other)), batch_size * max_new_tokens, "tok",
                  steps, burn_in)
-
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
@@ -275,15 +251,24 @@ if __name__ == "__main__":
     name = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
     print0(f"{name} | {model} | {part} | batch {batch_size} x {input_length} | {dtype} | compile={compile} | "
            f"{'data from ' + data_dir if data_dir else 'random ids'}")
-    timing = dict(steps=steps, burn_in=burn_in)
 
-    if part == "data":  # the loader's work for one global batch: windows read, span-corrupted row by row
+    if table:
+        print_table(device, model, vocab_size, batch_size, input_length, steps=steps, burn_in=burn_in,
+                    peak_flops=peak_flops, data_dir=data_dir, seed=seed)
+    elif part == "train" and not compare:
+        dt, tokens_per_s, mfu_now, memory, first = bench_train(rt, model, vocab_size, batch_size, grad_accum_steps,
+                                                               input_length, compile, steps, burn_in, peak_flops,
+                                                               data_dir, seed)
+        mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
+        print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | peak memory "
+               f"{memory / 2**30:.2f} GB{f' | first call (compile): {first:.2f} s' if compile else ''}")
+    elif part == "data":  # the loader's work for one global batch: windows read, span-corrupted row by row
         if not data_dir:
             raise UserError("part=data builds batches of a prepared folder: pass --data_dir=data/pydoc")
         data = SpanCorruptionBatches(data_dir, "train", batch_size, input_length, noise_density,
                                      mean_noise_span_length, seed, vocab_size)
-        work = batch_size * data.raw_length
-        side_by_side(("a batch", lambda: data.get(0)), ("a batch again", lambda: data.get(0)), work, "tok", **timing)
+        side_by_side(("a batch", lambda: data.get(0)), ("a batch again", lambda: data.get(0)),
+                     batch_size * data.raw_length, "tok", steps, burn_in)
     elif part == "optim":
         t5 = build_model(rt, model, vocab_size, seed)
         other = copy.deepcopy(t5)
@@ -291,31 +276,23 @@ if __name__ == "__main__":
             p.grad = torch.randn_like(p) * 1e-3
             q.grad = p.grad.clone()
         ours = make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2)
-        reference = ("AdamWScale again", make_optimizer("adamwscale", param_groups(other, 0.0), 2e-2).step) \
-            if compare == "null" else ("AdamW(foreach=True)", torch.optim.AdamW(other.parameters(), foreach=True).step)
+        if compare == "null":
+            reference = ("AdamWScale again", make_optimizer("adamwscale", param_groups(other, 0.0), 2e-2).step)
+        else:
+            reference = ("AdamW(foreach=True)", torch.optim.AdamW(other.parameters(), foreach=True).step)
         print0(f"one optimizer step over {t5.num_params():,} parameters")
-        side_by_side(("AdamWScale", ours.step), reference, t5.num_params(), "param", **timing)
-    elif part == "generate":
+        side_by_side(("AdamWScale", ours.step), reference, t5.num_params(), "param", steps, burn_in)
+    else:  # train or generate, against transformers or ours again
         t5 = build_model(rt, model, vocab_size, seed)
-        bench_generate(rt, t5, twin(t5, rt, compare or "hf"), compare, generate_batch_size, input_length,
-                       max_new_tokens, compile, steps, burn_in, seed)
-    elif table:
-        print_table(device, model, vocab_size, batch_size, input_length, steps=steps, burn_in=burn_in,
-                    peak_flops=peak_flops, data_dir=data_dir, seed=seed)
-    elif compare:
-        targets_length = compute_input_and_target_lengths(input_length, noise_density, mean_noise_span_length)[1]
-        t5 = build_model(rt, model, vocab_size, seed)
-        other = twin(t5, rt, compare)
-        get_batch = batches(rt, batch_size, grad_accum_steps, input_length, targets_length, vocab_size, data_dir, seed)
-        side_by_side(("ours", training_step(t5, rt, get_batch, grad_accum_steps, compile)),
-                     ("ours again" if compare == "null" else "transformers",
-                      training_step(other if compare == "null" else TransformersAdapter(other), rt, get_batch,
-                                    grad_accum_steps, compile)),
-                     batch_size * (input_length + targets_length), "tok", compiled=compile, **timing)
-    else:
-        dt, tokens_per_s, mfu_now, memory, first = bench_train(rt, model, vocab_size, batch_size, grad_accum_steps,
-                                                               input_length, compile, steps, burn_in, peak_flops,
-                                                               data_dir, seed)
-        mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
-        print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | peak memory "
-               f"{memory / 2**30:.2f} GB{f' | first call (compile): {first:.2f} s' if compile else ''}")
+        other = twin(t5, rt, compare or "hf")
+        other_name = "ours again" if compare == "null" else "transformers"
+        if part == "generate":
+            bench_generate(rt, t5, other, other_name, generate_batch_size, input_length, max_new_tokens, compile,
+                           steps, burn_in, seed)
+        else:
+            next_batch = batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, data_dir, seed)
+            theirs = other if compare == "null" else TransformersAdapter(other)
+            side_by_side(("ours", training_step(t5, rt, next_batch, grad_accum_steps, compile)),
+                         (other_name, training_step(theirs, rt, next_batch, grad_accum_steps, compile)),
+                         batch_size * (input_length + targets_length(input_length)), "tok", steps, burn_in,
+                         compiled=compile)

@@ -1,12 +1,13 @@
 """
-Fine-tunes a T5 on Super-Natural-Instructions (SNI) and reports Rouge-L on its held-out test tasks: the downstream
-check of the nanoT5 paper, with Tk-Instruct's recipe (definition + 2 positive examples, at most 100 instances per task).
+Fine-tunes a T5 on Super-Natural-Instructions (SNI) and reports Rouge-L on its held-out test tasks, as the nanoT5
+paper does, with Tk-Instruct's recipe (definition + 2 positive examples, at most 100 instances per task).
     git clone https://github.com/allenai/natural-instructions
     python finetune.py --init_from=out/t5_base           # a train.py run (its out_dir, ckpt.pt or ckpt/), or an HF T5
     python finetune.py --init_from=out/finetune --eval_only=True --out_dir=out/eval     # evaluate only
     torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True  # DDP, or sharded with fsdp
 """
 import json
+import math
 import os
 import random
 import string
@@ -15,8 +16,6 @@ from functools import lru_cache
 from statistics import mean
 
 import torch
-import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from model import T5
@@ -24,11 +23,10 @@ from optim import check_optimizer, make_optimizer, param_groups, train_step
 from prepare import load_tokenizer
 from runtime import (CHECKPOINTS, DTYPES, Logger, Sync, UserError, atomic_write, check_device, check_fsdp,
                      check_resume, checkpoint_state, claim_out_dir, load_checkpoint, load_model, micro_batch_size,
-                     print0, raw_model, reading, restore_state, save_checkpoint, setup_runtime, unsharded_copy,
-                     wrap_model)
+                     print0, reading, restore_state, save_checkpoint, setup_runtime, unsharded_copy, wrap_model)
 
 # -----------------------------------------------------------------------------
-# default config: nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data setup; `valid` as in train.py
+# default config: nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data
 valid = {}
 # I/O
 data_dir = "natural-instructions"  # a clone of allenai/natural-instructions
@@ -47,7 +45,7 @@ max_input_length = 1024  # tokens, EOS included
 max_target_length = 128
 valid.update(max_num_instances_per_task="> 0", num_pos_examples=">= 0", max_input_length="> 0",
              max_target_length="> 0")
-# optimizer: AdamW at a constant lr, no warmup, no weight decay, no clipping
+# optimizer: AdamW at a constant lr, no warmup
 optimizer = "adamw"
 lr = 5e-5
 weight_decay = 0.0
@@ -55,53 +53,50 @@ grad_clip = 0.0
 batch_size = 8  # examples per optimizer step, over all micro steps and DDP ranks
 grad_accum_steps = 1
 epochs = 2
-max_steps = 0  # optimizer steps; 0: as many as `epochs` passes over the train examples take
-dropout = 0.1  # T5's fine-tuning dropout; pre-training runs without
+max_steps = 0  # 0: `epochs` passes over the train examples
+dropout = 0.1  # T5's fine-tuning value; pre-training runs without
 valid.update(optimizer=check_optimizer, lr="> 0", weight_decay=">= 0", grad_clip=">= 0", batch_size="> 0",
              grad_accum_steps="> 0", epochs="> 0", max_steps=">= 0", dropout="in [0, 1)")
-# intervals, in optimizer steps, as in train.py
-eval_interval = 0  # Rouge-L on the test tasks every eval_interval steps; 0: only at the end
+# intervals, in optimizer steps as in train.py, and evaluation
+eval_interval = 0  # Rouge-L on the test tasks; 0: only at the end
 log_interval = 10
-checkpoint_interval = 1000  # so that a killed run loses little
-valid.update(eval_interval=">= 0", log_interval="> 0", checkpoint_interval="> 0")
-# evaluation
+checkpoint_interval = 1000
 eval_batch_size = 32
 max_new_tokens = 128
-valid.update(eval_batch_size="> 0", max_new_tokens="> 0")
+valid.update(eval_interval=">= 0", log_interval="> 0", checkpoint_interval="> 0", eval_batch_size="> 0",
+             max_new_tokens="> 0")
 # system
 device = "auto"  # cuda > mps > cpu
-dtype = "float32"  # the paper's fine-tuning numbers are fp32; 'bfloat16' is faster on GPUs that have it
-compile = False  # batches are padded to their longest prompt, so every new length would compile again
-fsdp = False  # under torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP
+dtype = "float32"  # as the paper's fine-tuning numbers
+compile = False  # every new padded prompt length would compile again
+fsdp = False  # under torchrun: FSDP2 sharding instead of DDP
 seed = 1337
 valid.update(device=check_device, dtype=DTYPES, compile="any", fsdp=check_fsdp, seed=">= 0")
 # -----------------------------------------------------------------------------
 
-
 def read_task(path):
-    """One SNI task file as a dict, or None when it can't be read or a field is missing or of the wrong type."""
+    """One SNI task file as a dict, or None if it can't be read or a field is missing or of the wrong type."""
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
         definition = raw["Definition"]
         task = dict(
-            # current task files hold a list of definitions, older ones a plain string; Tk-Instruct takes the first
+            # a list in current task files, a string in older ones; Tk-Instruct takes the first
             definition=definition[0] if isinstance(definition, list) else definition,
             positives=[(ex["input"], ex["output"]) for ex in raw["Positive Examples"]],
             instances=[(inst.get("id"), inst["input"], inst["output"]) for inst in raw["Instances"]],
         )
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
-    texts = [task["definition"], *(text for example in task["positives"] for text in example),
-             *(instance_input for _, instance_input, _ in task["instances"])]
-    references_ok = all(isinstance(refs, list) and refs and all(isinstance(ref, str) for ref in refs)
-                        for _, _, refs in task["instances"])
-    return task if references_ok and all(isinstance(text, str) for text in texts) else None
-
+    texts = [task["definition"], *(text for example in task["positives"] for text in example)]
+    for _, instance_input, references in task["instances"]:
+        if not isinstance(references, list) or not references:
+            return None
+        texts += [instance_input, *references]
+    return task if all(isinstance(text, str) for text in texts) else None
 
 def load_split(data_dir, split, max_num_instances_per_task, seed):
-    """SNI's default train or test split as dicts of task, id, definition, positives, input, references, target;
-    task files that are missing or broken are skipped, and one warning names them."""
+    """SNI's default train or test split as one dict per example; one warning names the task files skipped."""
     split_file = os.path.join(data_dir, "splits", "default", f"{split}_tasks.txt")
     if not os.path.isfile(split_file):
         raise UserError(f"no SNI split file {split_file}: get the data with "
@@ -117,9 +112,8 @@ def load_split(data_dir, split, max_num_instances_per_task, seed):
             continue
         instances = task["instances"]
         if split == "test":
-            instances = instances[:100]  # SNI puts each test task's 100 label-balanced evaluation instances first
-        # one generator per task, so a task's draw doesn't depend on which tasks come before it in the split
-        rng = random.Random(f"{seed}-{name}")
+            instances = instances[:100]  # SNI's label-balanced evaluation instances come first
+        rng = random.Random(f"{seed}-{name}")  # per task: its draw doesn't depend on the tasks before it
         chosen = sorted(rng.sample(range(len(instances)), min(max_num_instances_per_task, len(instances))))
         for i in chosen:
             instance_id, instance_input, references = instances[i]
@@ -133,11 +127,9 @@ def load_split(data_dir, split, max_num_instances_per_task, seed):
         raise UserError(f"no usable tasks in {split_file}: is {data_dir} a clone of allenai/natural-instructions?")
     return examples
 
-
 def end_with_punctuation(text):
-    # Tk-Instruct ends the definition and every input/output line with a period unless it already ends in punctuation
+    # as Tk-Instruct ends the definition and every input/output line
     return text if text[-1] in string.punctuation else text + "."
-
 
 def build_prompt(definition, positives, instance_input, num_pos_examples=2):
     """Tk-Instruct's "definition + positive examples" prompt, spacing and periods included."""
@@ -150,10 +142,9 @@ def build_prompt(definition, positives, instance_input, num_pos_examples=2):
     prompt += end_with_punctuation(f"Input: {instance_input.strip()}") + "\n"
     return prompt + "Output: "
 
-
 def tokenize_example(example, tokenizer, eos_id, max_input_length, max_target_length, num_pos_examples):
     """Adds prompt, input_ids and labels (both ending in EOS) to an example, within the length limits."""
-    # Tk-Instruct adds examples while the prompt fits; the prompt with the most examples that fits is the same thing
+    # the most examples that fit: what Tk-Instruct's adding them while they fit comes to
     for k in range(min(num_pos_examples, len(example["positives"])), -1, -1):
         prompt = build_prompt(example["definition"], example["positives"], example["input"], k)
         input_ids = tokenizer.encode(prompt) + [eos_id]
@@ -165,85 +156,64 @@ def tokenize_example(example, tokenizer, eos_id, max_input_length, max_target_le
     labels = tokenizer.encode(example["target"].strip())[:max_target_length - 1] + [eos_id]
     return dict(example, prompt=prompt, input_ids=input_ids, labels=labels)
 
-
-def collate(examples, pad_id, multiple=8):
-    """(input_ids, labels, attention_mask), right-padded to a multiple of 8 (fewer distinct shapes, tensor-core
-    friendly); labels are padded with -100, which the loss ignores."""
+def collate(examples, pad_id):
+    """(input_ids, labels, attention_mask), right-padded to a multiple of 8; labels with -100 (ignored)"""
     def pad(sequences, value):
-        padded = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=value)
-        return F.pad(padded, (0, -padded.size(1) % multiple), value=value)
+        width = 8 * math.ceil(max(map(len, sequences)) / 8)
+        return torch.tensor([s + [value] * (width - len(s)) for s in sequences])
     return (pad([ex["input_ids"] for ex in examples], pad_id), pad([ex["labels"] for ex in examples], -100),
             pad([[1] * len(ex["input_ids"]) for ex in examples], 0))
 
-
-@lru_cache(maxsize=1)
-def rougeL_scorer():
-    from rouge_score import rouge_scorer
-    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-
-
 def rouge_l(prediction, references):
     """Tk-Instruct's Rouge-L: rouge-score's F-measure with the Porter stemmer, best reference, times 100."""
-    scorer = rougeL_scorer()
+    from rouge_score import rouge_scorer  # here, not at the top: its import takes seconds
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     return 100.0 * max(scorer.score(target=ref, prediction=prediction)["rougeL"].fmeasure for ref in references)
 
-
-def normalize_answer(text):
-    # SQuAD's normalization as Tk-Instruct uses it: lowercase, drop punctuation, collapse whitespace (articles stay)
-    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
-    return " ".join(text.split())
-
-
 def exact_match(prediction, references):
-    return 100.0 * max(normalize_answer(prediction) == normalize_answer(ref) for ref in references)
-
+    """Tk-Instruct's: SQuAD's normalization, lowercase, no punctuation, whitespace collapsed (articles stay)"""
+    def normalize(text):
+        return " ".join(text.lower().translate(str.maketrans("", "", string.punctuation)).split())
+    return 100.0 * any(normalize(prediction) == normalize(ref) for ref in references)
 
 def compute_metrics(records):
     """Rouge-L and exact match averaged over all examples, as Tk-Instruct reports them, and per task."""
-    scores = [dict(task=r["task"], rougeL=rouge_l(r["prediction"], r["references"]),
-                   exact_match=exact_match(r["prediction"], r["references"])) for r in records]
-
     def summary(rows):
-        return dict(rougeL=mean(row["rougeL"] for row in rows), exact_match=mean(row["exact_match"] for row in rows),
+        return dict(rougeL=mean(rouge_l(r["prediction"], r["references"]) for r in rows),
+                    exact_match=mean(exact_match(r["prediction"], r["references"]) for r in rows),
                     num_examples=len(rows))
-    tasks = sorted({row["task"] for row in scores})
-    return dict(summary(scores), per_task={task: summary([row for row in scores if row["task"] == task])
-                                           for task in tasks})
+    tasks = sorted({r["task"] for r in records})
+    return dict(summary(records), per_task={task: summary([r for r in records if r["task"] == task])
+                                            for task in tasks})
 
-
-@torch.no_grad()
 def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens, device, autocast, rank=0,
                          world_size=1):
     """Greedy predictions for this rank's share of the examples, as (index into examples, text) pairs."""
+    # sorted by length, a batch's prompts need little padding
     shard = sorted(range(rank, len(examples), world_size), key=lambda i: len(examples[i]["input_ids"]))
-    # sorted by length, a batch's prompts need little padding: less encoder compute wasted, on every rank alike
-    eos_id, pad_id = model.config.eos_token_id, model.config.pad_token_id
+    eos_id = model.config.eos_token_id
     predictions = []
-    with tqdm(total=len(shard), desc="generating", unit="example", disable=rank != 0) as bar:
-        for start in range(0, len(shard), batch_size):
-            indices = shard[start:start + batch_size]
-            input_ids, _, attention_mask = collate([examples[i] for i in indices], pad_id)
-            with autocast():
-                generated = model.generate(input_ids.to(device), attention_mask.to(device), max_new_tokens)
-            for i, ids in zip(indices, generated.tolist()):
-                ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
-                predictions.append((i, tokenizer.decode(ids, skip_special_tokens=True)))  # as Tk-Instruct scores
-            bar.update(len(indices))
+    for start in tqdm(range(0, len(shard), batch_size), desc="generating", unit="batch", disable=rank != 0):
+        indices = shard[start:start + batch_size]
+        input_ids, _, attention_mask = collate([examples[i] for i in indices], model.config.pad_token_id)
+        with autocast():
+            generated = model.generate(input_ids.to(device), attention_mask.to(device), max_new_tokens)
+        for i, ids in zip(indices, generated.tolist()):
+            ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
+            predictions.append((i, tokenizer.decode(ids, skip_special_tokens=True)))  # as Tk-Instruct scores
     return predictions
 
-
-# -----------------------------------------------------------------------------
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     rt = setup_runtime(device, dtype, seed)
     micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
-    # before any work: a new run never replaces another run's checkpoint or results, and two runs never share out_dir
+    # before any work: no run replaces another run's results, or shares its out_dir
     resuming = init_from == "resume"
     results = ("metrics.json", "predictions.jsonl", *(() if eval_only else CHECKPOINTS))
     out_dir_lock = claim_out_dir(out_dir, rt, fresh=not resuming, results=results)  # held while the process lives
 
-    # the model, and the tokenizer it was pre-trained with: ours from the checkpoint's meta, T5's for Hub weights
-    ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a directory, each rank writes its shards
+    # the model, and the tokenizer it was pre-trained with
+    ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a directory of shards
     if resuming:
         ckpt = load_checkpoint(ckpt_path, program="finetune.py")
         check_resume(ckpt, ckpt_path, config, ckpt["meta"], fixed=("optimizer",))
@@ -260,7 +230,7 @@ if __name__ == "__main__":
                 for ex in load_split(data_dir, split, max_num_instances_per_task, seed)]
     test_examples = tokenized_split("test")
     train_examples = [] if eval_only else tokenized_split("train")
-    # an id past the embedding table would fail deep in a CUDA kernel; here it names the mismatch
+    # caught here rather than deep in a CUDA kernel
     top_id = max(max(ex["input_ids"] + ex["labels"]) for ex in train_examples + test_examples)
     if top_id >= model.config.vocab_size:
         raise UserError(f"the tokenizer makes id {top_id} but the model has vocab_size {model.config.vocab_size}: "
@@ -274,31 +244,26 @@ if __name__ == "__main__":
 
     step = ckpt["step"] if resuming else 0  # optimizer steps done
     elapsed = ckpt["elapsed"] if resuming else 0.0
-    # on the device; sharded (fsdp: in place, `model` then holds this rank's slices), compiled, DDP-wrapped
-    train_model = wrap_model(model, rt, fsdp, compile, dynamic=True)
+    train_model = wrap_model(model, rt, fsdp, compile, dynamic=True)  # fsdp shards `model` in place
     if not eval_only:
-        opt = make_optimizer(optimizer, param_groups(raw_model(train_model), weight_decay), lr)
+        opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr)
         if resuming:
-            restore_state(ckpt, train_model, opt)  # the optimizer state and the RNG
+            restore_state(ckpt, train_model, opt)
     ckpt = None  # free the checkpoint's copy of the weights
     logger = Logger(out_dir, rt.master, resume_step=step if resuming else None, wandb_log=wandb_log,
                     wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
 
     @lru_cache(maxsize=1)
     def epoch_order(epoch):
-        # a new shuffle each epoch, a pure function of (seed, epoch): a resumed run sees the batches it would have
+        # a pure function of (seed, epoch): a resumed run sees the batches it would have
         return torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
-    def micro_batches(step):
-        """get_batch for train_step: this rank's share of the batch of `step`, one micro step at a time"""
+    def get_batch(micro_step):
+        """for train_step: this rank's share of the batch of `step`, one micro step at a time"""
         epoch, i = divmod(step, steps_per_epoch)
-        batch = epoch_order(epoch)[i * batch_size:(i + 1) * batch_size]
-
-        def get_batch(micro_step):
-            first = (micro_step * rt.world_size + rt.rank) * micro_batch
-            examples = [train_examples[j] for j in batch[first:first + micro_batch]]
-            return tuple(t.to(rt.device) for t in collate(examples, model.config.pad_token_id))
-        return get_batch
+        first = i * batch_size + (micro_step * rt.world_size + rt.rank) * micro_batch
+        examples = [train_examples[j] for j in epoch_order(epoch)[first:first + micro_batch]]
+        return tuple(t.to(rt.device) for t in collate(examples, model.config.pad_token_id))
 
     def evaluate():
         """greedy predictions of every test example, spread over the ranks; rank 0 scores and writes them"""
@@ -326,11 +291,11 @@ if __name__ == "__main__":
                f"{metrics['num_examples']:,} test examples of {len(metrics['per_task'])} tasks; "
                f"predictions in {out_dir}/predictions.jsonl")
 
-    sync = Sync(rt, ckpt_path, step, elapsed)  # as in train.py: the ranks agree at log and checkpoint steps
+    sync = Sync(rt, ckpt_path, step, elapsed)  # the ranks agree at log and checkpoint steps
     model.train()
     t_log, steps_since_log = time.time(), 0
     while step < max_steps and not sync.stop:
-        loss, grad_norm = train_step(train_model, opt, micro_batches(step), grad_accum_steps, lr, grad_clip, 0.0,
+        loss, grad_norm = train_step(train_model, opt, get_batch, grad_accum_steps, lr, grad_clip, 0.0,
                                      rt.autocast, rt.ddp)
         step += 1
         steps_since_log += 1
@@ -357,7 +322,5 @@ if __name__ == "__main__":
     else:
         evaluate()
     if rt.ddp:
-        # rank 0 may still be scoring and writing the predictions: the ranks leave together (a rank that tore down
-        # its process group while its peer still ran aborted once: "terminate called without an active exception")
-        torch.distributed.barrier()
+        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
         torch.distributed.destroy_process_group()
