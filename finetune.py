@@ -7,7 +7,6 @@ paper does, with Tk-Instruct's recipe (definition + 2 positive examples, at most
     torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True  # DDP, or sharded with fsdp
 """
 import json
-import math
 import os
 import random
 import string
@@ -16,6 +15,8 @@ from functools import lru_cache
 from statistics import mean
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from model import T5
@@ -159,8 +160,8 @@ def tokenize_example(example, tokenizer, eos_id, max_input_length, max_target_le
 def collate(examples, pad_id):
     """(input_ids, labels, attention_mask), right-padded to a multiple of 8; labels with -100 (ignored)"""
     def pad(sequences, value):
-        width = 8 * math.ceil(max(map(len, sequences)) / 8)
-        return torch.tensor([s + [value] * (width - len(s)) for s in sequences])
+        padded = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=value)
+        return F.pad(padded, (0, -padded.size(1) % 8), value=value)
     return (pad([ex["input_ids"] for ex in examples], pad_id), pad([ex["labels"] for ex in examples], -100),
             pad([[1] * len(ex["input_ids"]) for ex in examples], 0))
 
@@ -178,13 +179,15 @@ def exact_match(prediction, references):
 
 def compute_metrics(records):
     """Rouge-L and exact match averaged over all examples, as Tk-Instruct reports them, and per task."""
+    scores = [dict(task=r["task"], rougeL=rouge_l(r["prediction"], r["references"]),
+                   exact_match=exact_match(r["prediction"], r["references"])) for r in records]
+
     def summary(rows):
-        return dict(rougeL=mean(rouge_l(r["prediction"], r["references"]) for r in rows),
-                    exact_match=mean(exact_match(r["prediction"], r["references"]) for r in rows),
+        return dict(rougeL=mean(row["rougeL"] for row in rows), exact_match=mean(row["exact_match"] for row in rows),
                     num_examples=len(rows))
-    tasks = sorted({r["task"] for r in records})
-    return dict(summary(records), per_task={task: summary([r for r in records if r["task"] == task])
-                                            for task in tasks})
+    tasks = sorted({row["task"] for row in scores})
+    return dict(summary(scores), per_task={task: summary([row for row in scores if row["task"] == task])
+                                           for task in tasks})
 
 def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens, device, autocast, rank=0,
                          world_size=1):
