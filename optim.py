@@ -87,7 +87,7 @@ class AdamWScale(torch.optim.Optimizer):
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
             denoms = torch._foreach_sqrt(exp_avg_sqs)
             torch._foreach_add_(denoms, eps)
-            # the step sizes stay on the device (reading them would make the host wait): one more pass divides them in
+            # one more pass divides by the step sizes: reading them from the device would make the host wait
             torch._foreach_div_(denoms, step_sizes)
             torch._foreach_addcdiv_(slices, exp_avgs, denoms, value=-1.0)
             if weight_decay > 0:
@@ -204,8 +204,8 @@ def make_optimizer(name, groups, lr):
 def train_step(model, optimizer, get_batch, grad_accum_steps=1, lr=None, grad_clip=0.0, z_loss=0.0,
                autocast=nullcontext, ddp=False):
     """One optimizer step over grad_accum_steps micro-batches, get_batch(micro_step) -> (input_ids, labels,
-    attention_mask or None). Returns the mean loss and the gradient norm before clipping, as tensors on the device (the
-    caller decides when to wait for them). ddp: the model is wrapped in DDP or sharded by FSDP."""
+    attention_mask or None). Returns the mean loss and the gradient norm before clipping, as tensors on the device,
+    so that the caller decides when to wait for them. ddp: the model is wrapped in DDP or sharded by FSDP."""
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
