@@ -165,11 +165,15 @@ def collate(examples, pad_id):
     return (pad([ex["input_ids"] for ex in examples], pad_id), pad([ex["labels"] for ex in examples], -100),
             pad([[1] * len(ex["input_ids"]) for ex in examples], 0))
 
+@lru_cache(maxsize=1)
+def rougeL_scorer():  # built once for all predictions; imported here, as its import takes seconds
+    from rouge_score import rouge_scorer
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
 def rouge_l(prediction, references):
     """Tk-Instruct's Rouge-L: rouge-score's F-measure with the Porter stemmer, best reference, times 100."""
-    from rouge_score import rouge_scorer  # here, not at the top: its import takes seconds
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    return 100.0 * max(scorer.score(target=ref, prediction=prediction)["rougeL"].fmeasure for ref in references)
+    scores = (rougeL_scorer().score(target=ref, prediction=prediction)["rougeL"].fmeasure for ref in references)
+    return 100.0 * max(scores)
 
 def exact_match(prediction, references):
     """Tk-Instruct's: SQuAD's normalization, lowercase, no punctuation, whitespace collapsed (articles stay)"""
