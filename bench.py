@@ -1,14 +1,15 @@
 """
-Times the training step train.py runs (optim.train_step: forward, backward, clip, optimizer step) and, in the same
-process on the same weights, what one would otherwise use.
-    python bench.py                                 # ms/step, tokens/s, MFU, peak memory
-    python bench.py --table=True                    # dtype x compile, laid out like the nanoT5 paper's Table 1
-    python bench.py --compare=hf                    # the same step in transformers' T5ForConditionalGeneration
-    python bench.py --compare=null                  # ours against ours: the noise floor of every ratio here
-    python bench.py --part=generate --compare=hf    # greedy decoding against transformers' generate
-    python bench.py --part=optim                    # AdamWScale against torch.optim.AdamW(foreach=True)
-    python bench.py --part=data --data_dir=data/pydoc   # building one span-corrupted batch, as the loader does
+Times the training step train.py runs (optim.train_step: forward, backward, clip, optimizer step)
+and, in the same process on the same weights, what one would otherwise use.
+    python bench.py                               # ms/step, tokens/s, MFU, peak memory
+    python bench.py --table=True                  # dtype x compile, as the nanoT5 paper's Table 1
+    python bench.py --compare=hf                  # the same step in transformers' T5
+    python bench.py --compare=null                # ours against ours: the noise floor of a ratio
+    python bench.py --part=generate --compare=hf  # greedy decoding against transformers' generate
+    python bench.py --part=optim                  # AdamWScale against torch.optim.AdamW(foreach=True)
+    python bench.py --part=data --data_dir=data/pydoc  # one span-corrupted batch, as the loader does
 """
+import configurator  # first: from here on an error, or Ctrl-C, is one line, not a traceback
 import copy
 import gc
 import itertools
@@ -21,22 +22,26 @@ import time
 
 import torch
 
+from data import Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, micro_batch_size
+from checkpoint import save_pretrained
+from files import UserError
 from model import PRESETS, T5, T5Config
 from optim import make_optimizer, param_groups, train_step
-from prepare import Prefetcher, SpanCorruptionBatches, compute_input_and_target_lengths, load_meta
-from runtime import DTYPES, UserError, check_device, flops_per_step, mfu, micro_batch_size, print0, setup_runtime
+from prepare import load_meta
+from runtime import DTYPES, check_device, flops_per_step, mfu, print0, require, setup_runtime
 
-# -----------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # default config; `valid` below each group says what values its keys may take
 valid = {}
-part = "train"  # 'train', 'generate' (greedy decoding), 'optim' (one optimizer step) or 'data' (one batch)
-compare = ""  # 'hf': against transformers; 'null': ours twice; '': train alone, the others against their reference
-table = False  # part=train: every dtype x compile row, each at the largest micro-batch that fits
+part = "train"  # 'train', 'generate' (greedy decoding), 'optim' (an optimizer step), 'data' (a batch)
+compare = ""  # 'hf': against transformers; 'null': ours twice; '': train alone, others their reference
+table = False  # part=train: each dtype x compile row (those given only), at the largest batch that fits
 data_dir = ""  # a prepare.py folder for real batches; '' -> random ids, no loading in the step
-valid.update(part=("train", "generate", "optim", "data"), compare=("", "hf", "null"), table="any", data_dir="any")
+valid.update(part=("train", "generate", "optim", "data"), compare=("", "hf", "null"), table="any",
+             data_dir="any")
 # model and shapes
 model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
-batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's) and for part=data, 4 elsewhere
+batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's) and for data, else 4
 grad_accum_steps = 1
 input_length = 512
 noise_density = 0.15
@@ -44,7 +49,8 @@ mean_noise_span_length = 3.0
 generate_batch_size = 8
 max_new_tokens = 128
 valid.update(model=("", *PRESETS), batch_size=">= 0", grad_accum_steps="> 0", input_length=">= 3",
-             noise_density="in (0, 1)", mean_noise_span_length=">= 1", generate_batch_size="> 0", max_new_tokens="> 0")
+             noise_density="in (0, 1)", mean_noise_span_length=">= 1", generate_batch_size="> 0",
+             max_new_tokens="> 0")
 # timing
 burn_in = 3  # untimed calls first (compilation, warm-up); the first is timed apart, as "1st call"
 steps = 10  # timed calls (per side when two are compared)
@@ -57,9 +63,9 @@ compile = True
 threads = 0  # CPU threads for torch; 0 -> all cores
 seed = 1337
 valid.update(device=check_device, dtype=DTYPES, compile="any", threads=">= 0", seed=">= 0")
-# -----------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
-# the nanoT5 paper's Table 1: seconds per step of its default T5-v1.1-base pre-training step on one A100
+# the nanoT5 paper's Table 1: seconds per step of its T5-v1.1-base pre-training step on one A100
 PAPER_A100_S_PER_STEP = {("float32", False): 4.10, ("tfloat32", False): 1.39, ("bfloat16", False): 1.30,
                          ("tfloat32", True): 0.95, ("bfloat16", True): 0.56}
 TABLE_ROWS = [(row_dtype, row_compile) for row_compile in (False, True)
@@ -80,8 +86,8 @@ def burn(fn, burn_in):
     return first
 
 def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
-    """Median seconds per call of two (name, fn) sides, timed A B B A A B ... so that drift lands on both alike;
-    prints each as work per second, the ratio, and with compiled=True each side's first call apart."""
+    """Median seconds per call of two (name, fn) sides, timed A B B A A B ..., so that drift lands
+    on both alike; prints each as work per second, the ratio, and with compiled=True the first calls."""
     firsts = [burn(fn, burn_in) for _, fn in (a, b)]
     times = ([], [])
     for i in range(steps):
@@ -91,7 +97,8 @@ def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
     for (name, fn), t, first in zip((a, b), medians, firsts):
         first_text = f" | first call (compile): {first:.2f} s" if compiled and first is not None else ""
         print0(f"{name:>34s}: {1000 * t:10.1f} ms {work / t:12,.0f} {unit}/s{first_text}")
-    print0(f"{a[0]} / {b[0]}: {medians[1] / medians[0]:.2f}x the throughput (medians of {steps} alternating calls)")
+    ratio = medians[1] / medians[0]
+    print0(f"{a[0]} / {b[0]}: {ratio:.2f}x the throughput (medians of {steps} alternating calls)")
     return medians
 
 def peak_memory():
@@ -105,14 +112,14 @@ def build_model(rt, model_name, vocab_size, seed=1337):
     return T5(T5Config.from_preset(model_name, vocab_size=vocab_size)).to(rt.device)
 
 def twin(t5, rt, compare):
-    """the other side, with exactly our weights: ours again (null), or transformers' T5 through our save_pretrained"""
+    """the other side, with exactly our weights: ours again (null), or transformers' T5"""
     if compare == "null":
         return copy.deepcopy(t5)
     import transformers
     transformers.logging.set_verbosity_error()  # its loading bar and notes would drown the timings
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:
-        t5.save_pretrained(folder)
+        save_pretrained(t5, folder)
         return transformers.T5ForConditionalGeneration.from_pretrained(folder).to(rt.device)
 
 class TransformersAdapter(torch.nn.Module):
@@ -130,54 +137,58 @@ def targets_length(input_length):
     return compute_input_and_target_lengths(input_length, noise_density, mean_noise_span_length)[1]
 
 def batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, data_dir="", seed=1337):
-    """next_batch() -> a step's get_batch: from data_dir a new batch each step, prefetched as train.py does; else
-    one fixed random batch, and the step loads no data"""
+    """next_batch() -> a step's micro-batches: from data_dir a new batch each step, prefetched as
+    train.py does; else one fixed random batch, and the step loads no data"""
     if data_dir:
         data = SpanCorruptionBatches(data_dir, "train", batch_size, input_length, noise_density,
                                      mean_noise_span_length, seed, vocab_size)
-        prefetcher, steps = Prefetcher(data, grad_accum_steps, 0, 1, rt.device), itertools.count()
-        return lambda: prefetcher(next(steps))
+        prefetcher = Prefetcher(data, grad_accum_steps, 0, 1, rt.device)
+        steps = itertools.count()
+        return lambda: prefetcher.get(next(steps))
     micro = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
     generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab_size, (micro, input_length), generator=generator).to(rt.device)
-    labels = torch.randint(0, vocab_size, (micro, targets_length(input_length)), generator=generator).to(rt.device)
-    return lambda: lambda micro_step: (input_ids, labels, None)
+    input_ids = torch.randint(0, vocab_size, (micro, input_length), generator=generator)
+    labels = torch.randint(0, vocab_size, (micro, targets_length(input_length)), generator=generator)
+    micro_batch = dict(input_ids=input_ids.to(rt.device), labels=labels.to(rt.device))
+    return lambda: [micro_batch] * grad_accum_steps
 
-def training_step(net, rt, next_batch, grad_accum_steps, compile_model, lr=2e-2, grad_clip=1.0):
+def training_step(net, rt, next_batch, compile_model, lr=2e-2, grad_clip=1.0):
     """one call = one optimizer step, with train.py's optimizer and clipping"""
     optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr)
     net = torch.compile(net) if compile_model else net
-    return lambda: train_step(net, optimizer, next_batch(), grad_accum_steps, lr, grad_clip, autocast=rt.autocast)
+    return lambda: train_step(net, optimizer, next_batch(), lr, grad_clip, autocast=rt.autocast)
 
-def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length, compile_model, steps=10,
-                burn_in=3, peak_flops=0.0, data_dir="", seed=1337):
-    """our training step alone: (s/step, tokens/s, MFU or None, peak memory in bytes, first call's seconds)"""
+def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length, compile_model,
+                steps=10, burn_in=3, peak_flops=0.0, data_dir="", seed=1337):
+    """our training step alone: (s/step, tokens/s, MFU or None, peak memory bytes, first call's s)"""
     t5 = build_model(rt, model_name, vocab_size, seed)
     next_batch = batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, data_dir, seed)
-    step_fn = training_step(t5, rt, next_batch, grad_accum_steps, compile_model)
+    step_fn = training_step(t5, rt, next_batch, compile_model)
     if rt.device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     first = burn(step_fn, burn_in)
     dt = statistics.median(timed(step_fn) for _ in range(steps))
     flops = flops_per_step(t5, batch_size, input_length, targets_length(input_length))
     tokens = batch_size * (input_length + targets_length(input_length))
-    return dt, tokens / dt, mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops)), peak_memory(), first
+    mfu_now = mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops))
+    return dt, tokens / dt, mfu_now, peak_memory(), first
 
-def bench_train_fitting(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length, compile_model,
-                        **kwargs):
-    """(micro-batch, bench_train's results) at the largest power-of-two micro-batch that fits, halving it (and
-    raising grad_accum_steps) after each torch.OutOfMemoryError; raises the last one if not one example fits"""
+def bench_train_fitting(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length,
+                        compile_model, **kwargs):
+    """(micro-batch, bench_train's results) at the largest power-of-two micro-batch that fits,
+    halving it (raising grad_accum_steps) after each torch.OutOfMemoryError; raises the last one if
+    not one example fits"""
     micro = 1
     while micro * 2 <= batch_size // grad_accum_steps and batch_size % (micro * 2) == 0:
         micro *= 2
     while True:
         try:
-            return micro, bench_train(rt, model_name, vocab_size, batch_size, batch_size // micro, input_length,
-                                      compile_model, **kwargs)
+            return micro, bench_train(rt, model_name, vocab_size, batch_size, batch_size // micro,
+                                      input_length, compile_model, **kwargs)
         except torch.OutOfMemoryError:
             if micro == 1:
                 raise
-        # out of the except block, so that the failed attempt's tensors, held by the traceback, can be freed
+        # out of the except block: the failed attempt's tensors, held by the traceback, can be freed
         micro //= 2
         gc.collect()
         if rt.device_type == "cuda":
@@ -185,31 +196,32 @@ def bench_train_fitting(rt, model_name, vocab_size, batch_size, grad_accum_steps
 
 def print_table(device, model_name, vocab_size, batch_size, input_length, rows=TABLE_ROWS, **kwargs):
     """one line per (dtype, compile) row, at the micro-batch that fits; a row that fails says why"""
-    print0(f"{'precision':>10s} {'compile':>8s} {'micro':>6s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>6s} "
-           f"{'peak mem':>9s} {'1st call':>8s} {'paper, A100':>12s}")
+    print0(f"{'precision':>10s} {'compile':>8s} {'micro':>6s} {'s/step':>8s} {'tokens/s':>10s} "
+           f"{'MFU':>6s} {'peak mem':>9s} {'1st call':>8s} {'paper, A100':>12s}")
     for row_dtype, row_compile in rows:
         paper = PAPER_A100_S_PER_STEP.get((row_dtype, row_compile))
         paper_text = f"{paper:12.2f}" if paper else f"{'-':>12s}"
         head = f"{row_dtype:>10s} {'yes' if row_compile else 'no':>8s}"
         row_rt = setup_runtime(device, row_dtype)
         if row_dtype == "tfloat32" and row_rt.device_type != "cuda":
-            print0(f"{head}  skipped: TF32 is an NVIDIA tensor-core mode, here it is float32   {paper_text}")
+            print0(f"{head}  skipped: TF32 is an NVIDIA tensor-core mode, here float32   {paper_text}")
             continue
         try:
             micro, (dt, tokens_per_s, mfu_now, memory, first) = bench_train_fitting(
                 row_rt, model_name, vocab_size, batch_size, 1, input_length, row_compile, **kwargs)
         except Exception as e:  # out of memory at micro-batch 1, a compiler error
-            print0(f"{head}  failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:80]}")
+            reason = (str(e).strip().splitlines() or [""])[0][:80]
+            print0(f"{head}  failed: {type(e).__name__}: {reason}")
             continue
         mfu_text = f"{100 * mfu_now:5.1f}%" if mfu_now else f"{'-':>6s}"
         first_text = f"{first:7.1f}s" if first is not None else f"{'-':>8s}"
-        print0(f"{head} {micro:6d} {dt:8.2f} {tokens_per_s:10,.0f} {mfu_text} {memory / 2**30:7.2f}GB {first_text} "
-               f"{paper_text}")
+        print0(f"{head} {micro:6d} {dt:8.2f} {tokens_per_s:10,.0f} {mfu_text} {memory / 2**30:7.2f}GB "
+               f"{first_text} {paper_text}")
 
-def bench_generate(rt, t5, other, other_name, batch_size, input_length, max_new_tokens, compile_step, steps,
-                   burn_in, seed=1337):
-    """Greedy decoding of batch_size x max_new_tokens; compile_step: ours compiles its decode step (gpt-fast's
-    way). Random weights pick EOS early: both get an EOS id no token has (ours -1, transformers' None)."""
+def bench_generate(rt, t5, other, other_name, batch_size, input_length, max_new_tokens, compile_step,
+                   steps, burn_in, seed=1337):
+    """Greedy decoding of batch_size x max_new_tokens; compile_step: ours compiles its decode step
+    (gpt-fast's way). Random weights pick EOS early: both get an EOS id no token has."""
     t5.eval().config.eos_token_id = -1
     other.eval()
     if isinstance(other, T5):
@@ -217,52 +229,62 @@ def bench_generate(rt, t5, other, other_name, batch_size, input_length, max_new_
     else:
         other.generation_config.eos_token_id = None
     generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(2, t5.config.vocab_size, (batch_size, input_length), generator=generator).to(rt.device)
+    input_ids = torch.randint(2, t5.config.vocab_size, (batch_size, input_length), generator=generator)
+    input_ids = input_ids.to(rt.device)
 
     def run(net):
         with rt.autocast():
             if isinstance(net, T5):
                 return net.generate(input_ids, max_new_tokens=max_new_tokens, compile=compile_step)
-            return net.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                num_beams=1, max_new_tokens=max_new_tokens)[:, 1:]  # transformers' starts with 0
+            generated = net.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                     do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
+            return generated[:, 1:]  # transformers' starts with the start token
     ours, theirs = run(t5), run(other)
     if ours.shape != theirs.shape or ours.shape != (batch_size, max_new_tokens):
         raise RuntimeError(f"generated {tuple(ours.shape)} and {tuple(theirs.shape)} tokens, not "
                            f"{(batch_size, max_new_tokens)}")
-    print0(f"greedy decoding of {batch_size} x {max_new_tokens} new tokens after {input_length} input tokens; "
-           f"{100 * (ours == theirs).float().mean():.1f}% of the tokens agree")
-    side_by_side(("ours", lambda: run(t5)), (other_name, lambda: run(other)), batch_size * max_new_tokens, "tok",
-                 steps, burn_in)
+    print0(f"greedy decoding of {batch_size} x {max_new_tokens} new tokens after {input_length} input "
+           f"tokens; {100 * (ours == theirs).float().mean():.1f}% of the tokens agree")
+    side_by_side(("ours", lambda: run(t5)), (other_name, lambda: run(other)), batch_size * max_new_tokens,
+                 "tok", steps, burn_in)
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     if compare == "hf" and part in ("data", "optim"):
-        raise UserError(f"compare '{compare}' is not valid here; use '' (the part's reference), 'null', or 'hf' "
-                        f"with part=train or part=generate")
+        raise UserError(f"compare '{compare}' is not valid here; use '' (the part's reference), 'null', "
+                        f"or 'hf' with part=train or part=generate")
     if table and (part != "train" or compare):
         raise UserError("--table=True times our training step alone; drop --part and --compare")
+    if not table and (compare == "hf" or (part == "generate" and not compare)):
+        require("transformers", f"bench.py --part={part} against transformers")
     torch.set_num_threads(threads or os.cpu_count())
     rt = setup_runtime(device, dtype, seed)
     on_cuda = rt.device_type == "cuda"
     model = model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small")
     batch_size = batch_size or (128 if on_cuda or part == "data" else 4)
-    micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # a one-line error if the batch does not split
-    vocab_size = load_meta(data_dir)["model_vocab_size"] if data_dir else T5Config.from_preset(model).vocab_size
+    micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # one line if the batch won't split
+    vocab_size = T5Config.from_preset(model).vocab_size
+    if data_dir:
+        vocab_size = load_meta(data_dir)["model_vocab_size"]
     name = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
-    print0(f"{name} | {model} | {part} | batch {batch_size} x {input_length} | {dtype} | compile={compile} | "
-           f"{'data from ' + data_dir if data_dir else 'random ids'}")
+    print0(f"{name} | {model} | {part} | batch {batch_size} x {input_length} | {dtype} | "
+           f"compile={compile} | {'data from ' + data_dir if data_dir else 'random ids'}")
 
-    if table:
-        print_table(device, model, vocab_size, batch_size, input_length, steps=steps, burn_in=burn_in,
-                    peak_flops=peak_flops, data_dir=data_dir, seed=seed)
+    if table:  # every row, or those of the dtype and compile given
+        rows = [(row_dtype, row_compile) for row_dtype, row_compile in TABLE_ROWS
+                if ("dtype" not in given_at or row_dtype == dtype)
+                and ("compile" not in given_at or row_compile == compile)]
+        print_table(device, model, vocab_size, batch_size, input_length, rows, steps=steps,
+                    burn_in=burn_in, peak_flops=peak_flops, data_dir=data_dir, seed=seed)
     elif part == "train" and not compare:
-        dt, tokens_per_s, mfu_now, memory, first = bench_train(rt, model, vocab_size, batch_size, grad_accum_steps,
-                                                               input_length, compile, steps, burn_in, peak_flops,
-                                                               data_dir, seed)
+        dt, tokens_per_s, mfu_now, memory, first = bench_train(
+            rt, model, vocab_size, batch_size, grad_accum_steps, input_length, compile, steps, burn_in,
+            peak_flops, data_dir, seed)
         mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
+        first_text = f" | first call (compile): {first:.2f} s" if compile else ""
         print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | peak memory "
-               f"{memory / 2**30:.2f} GB{f' | first call (compile): {first:.2f} s' if compile else ''}")
-    elif part == "data":  # the loader's work for one global batch: windows read, span-corrupted row by row
+               f"{memory / 2**30:.2f} GB{first_text}")
+    elif part == "data":  # the loader's work for one global batch: windows read, span-corrupted
         if not data_dir:
             raise UserError("part=data builds batches of a prepared folder: pass --data_dir=data/pydoc")
         data = SpanCorruptionBatches(data_dir, "train", batch_size, input_length, noise_density,
@@ -287,12 +309,12 @@ if __name__ == "__main__":
         other = twin(t5, rt, compare or "hf")
         other_name = "ours again" if compare == "null" else "transformers"
         if part == "generate":
-            bench_generate(rt, t5, other, other_name, generate_batch_size, input_length, max_new_tokens, compile,
-                           steps, burn_in, seed)
+            bench_generate(rt, t5, other, other_name, generate_batch_size, input_length, max_new_tokens,
+                           compile, steps, burn_in, seed)
         else:
             next_batch = batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, data_dir, seed)
             theirs = other if compare == "null" else TransformersAdapter(other)
-            side_by_side(("ours", training_step(t5, rt, next_batch, grad_accum_steps, compile)),
-                         (other_name, training_step(theirs, rt, next_batch, grad_accum_steps, compile)),
-                         batch_size * (input_length + targets_length(input_length)), "tok", steps, burn_in,
-                         compiled=compile)
+            tokens = batch_size * (input_length + targets_length(input_length))
+            side_by_side(("ours", training_step(t5, rt, next_batch, compile)),
+                         (other_name, training_step(theirs, rt, next_batch, compile)), tokens, "tok",
+                         steps, burn_in, compiled=compile)

@@ -1,11 +1,13 @@
 """
-Fine-tunes a T5 on Super-Natural-Instructions (SNI) and reports Rouge-L on its held-out test tasks, as the nanoT5
-paper does, with Tk-Instruct's recipe (definition + 2 positive examples, at most 100 instances per task).
+Fine-tunes a T5 on Super-Natural-Instructions (SNI) and reports Rouge-L on its held-out test tasks,
+as the nanoT5 paper does, with Tk-Instruct's recipe (definition + 2 positive examples, at most 100
+instances per task).
     git clone https://github.com/allenai/natural-instructions
-    python finetune.py --init_from=out/t5_base           # a train.py run (its out_dir, ckpt.pt or ckpt/), or an HF T5
-    python finetune.py --init_from=out/finetune --eval_only=True --out_dir=out/eval     # evaluate only
-    torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True  # DDP, or sharded with fsdp
+    python finetune.py --init_from=out/t5_base         # a train.py run, or Hugging Face weights
+    python finetune.py --init_from=out/finetune --eval_only=True --out_dir=out/eval   # evaluate only
+    torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True
 """
+import configurator  # first: from here on an error, or Ctrl-C, is one line, not a traceback
 import json
 import os
 import random
@@ -19,26 +21,29 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
+from checkpoint import (check_init_from, check_resume, checkpoint_state, claim_out_dir, load_checkpoint,
+                        load_model, restore_state, save_checkpoint)
+from data import micro_batch_size
+from files import UserError, atomic_write, reading, reason
 from model import T5
 from optim import check_optimizer, make_optimizer, param_groups, train_step
 from prepare import load_tokenizer
-from runtime import (CHECKPOINTS, DTYPES, Logger, Sync, UserError, atomic_write, check_device, check_fsdp,
-                     check_resume, checkpoint_state, claim_out_dir, load_checkpoint, load_model, micro_batch_size,
-                     print0, reading, restore_state, save_checkpoint, setup_runtime, unsharded_copy, wrap_model)
+from runtime import (DTYPES, Logger, Sync, check_device, check_fsdp, check_wandb, print0, setup_runtime,
+                     unsharded_copy, wrap_model)
 
-# -----------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # default config: nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data
 valid = {}
 # I/O
 data_dir = "natural-instructions"  # a clone of allenai/natural-instructions
-init_from = "out/ckpt.pt"  # a train.py/finetune.py checkpoint or run, an HF T5 name or folder, or 'resume'
+init_from = "out/ckpt.pt"  # a run of train.py or finetune.py, Hugging Face weights, or 'resume'
 out_dir = "out/finetune"
 eval_only = False  # only evaluate init_from on the test tasks
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "finetune"
-valid.update(data_dir="folder", init_from="non-empty", out_dir="folder", eval_only="any", wandb_log="any",
-             wandb_project="non-empty", wandb_run_name="any")
+valid.update(data_dir="folder", init_from=check_init_from, out_dir="folder", eval_only="any",
+             wandb_log=check_wandb, wandb_project="non-empty", wandb_run_name="any")
 # data
 max_num_instances_per_task = 100
 num_pos_examples = 2
@@ -56,16 +61,16 @@ grad_accum_steps = 1
 epochs = 2
 max_steps = 0  # 0: `epochs` passes over the train examples
 dropout = 0.1  # T5's fine-tuning value; pre-training runs without
-valid.update(optimizer=check_optimizer, lr="> 0", weight_decay=">= 0", grad_clip=">= 0", batch_size="> 0",
-             grad_accum_steps="> 0", epochs="> 0", max_steps=">= 0", dropout="in [0, 1)")
+valid.update(optimizer=check_optimizer, lr="> 0", weight_decay=">= 0", grad_clip=">= 0",
+             batch_size="> 0", grad_accum_steps="> 0", epochs="> 0", max_steps=">= 0", dropout="in [0, 1)")
 # intervals, in optimizer steps as in train.py, and evaluation
 eval_interval = 0  # Rouge-L on the test tasks; 0: only at the end
 log_interval = 10
 checkpoint_interval = 1000
 eval_batch_size = 32
 max_new_tokens = 128
-valid.update(eval_interval=">= 0", log_interval="> 0", checkpoint_interval="> 0", eval_batch_size="> 0",
-             max_new_tokens="> 0")
+valid.update(eval_interval=">= 0", log_interval="> 0", checkpoint_interval="> 0",
+             eval_batch_size="> 0", max_new_tokens="> 0")
 # system
 device = "auto"  # cuda > mps > cpu
 dtype = "float32"  # as the paper's fine-tuning numbers
@@ -73,59 +78,59 @@ compile = False  # every new padded prompt length would compile again
 fsdp = False  # under torchrun: FSDP2 sharding instead of DDP
 seed = 1337
 valid.update(device=check_device, dtype=DTYPES, compile="any", fsdp=check_fsdp, seed=">= 0")
-# -----------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 def read_task(path):
-    """One SNI task file as a dict, or None if it can't be read or a field is missing or of the wrong type."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-        definition = raw["Definition"]
-        task = dict(
-            # a list in current task files, a string in older ones; Tk-Instruct takes the first
-            definition=definition[0] if isinstance(definition, list) else definition,
-            positives=[(ex["input"], ex["output"]) for ex in raw["Positive Examples"]],
-            instances=[(inst.get("id"), inst["input"], inst["output"]) for inst in raw["Instances"]],
-        )
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return None
-    texts = [task["definition"], *(text for example in task["positives"] for text in example)]
-    for _, instance_input, references in task["instances"]:
-        if not isinstance(references, list) or not references:
-            return None
-        texts += [instance_input, *references]
-    return task if all(isinstance(text, str) for text in texts) else None
+    """One SNI task file as a dict; an exception says what is wrong with it."""
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    definition = raw["Definition"]  # a list in current task files: Tk-Instruct takes the first
+    definition = definition[0] if isinstance(definition, list) else definition
+    positives = [(example["input"], example["output"]) for example in raw["Positive Examples"]]
+    if not all(isinstance(text, str) for text in [definition, *(t for pair in positives for t in pair)]):
+        raise ValueError("its definition or a positive example is not text")
+    if not raw["Instances"]:
+        raise ValueError("it has no instances")
+    instances = []
+    for i, instance in enumerate(raw["Instances"]):
+        references = instance.get("output")
+        if not (isinstance(references, list) and references and isinstance(instance.get("input"), str)
+                and all(isinstance(text, str) for text in references)):
+            raise ValueError(f"instance {i} is not an 'input' text with a list of 'output' texts")
+        instances.append((instance.get("id"), instance["input"], references))
+    return dict(definition=definition, positives=positives, instances=instances)
 
 def load_split(data_dir, split, max_num_instances_per_task, seed):
-    """SNI's default train or test split as one dict per example; one warning names the task files skipped."""
+    """SNI's default train or test split, a dict per example; one warning names the tasks skipped."""
     split_file = os.path.join(data_dir, "splits", "default", f"{split}_tasks.txt")
     if not os.path.isfile(split_file):
         raise UserError(f"no SNI split file {split_file}: get the data with "
                         f"`git clone https://github.com/allenai/natural-instructions {data_dir}`")
-    with reading(split_file, f"{{path}} is not UTF-8 text ({{reason}}): is {data_dir} a clone of "
-                             f"allenai/natural-instructions?"), open(split_file, encoding="utf-8") as f:
+    not_text = f"{{path}} is not UTF-8 text ({{reason}}): is {data_dir} a clone of allenai/natural-instructions?"
+    with reading(split_file, not_text), open(split_file, encoding="utf-8") as f:
         task_names = [line.strip() for line in f if line.strip()]
     examples, skipped = [], []
     for name in task_names:
-        task = read_task(os.path.join(data_dir, "tasks", name + ".json"))
-        if task is None:
-            skipped.append(name)
+        try:
+            task = read_task(os.path.join(data_dir, "tasks", name + ".json"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            skipped.append(f"{name} ({reason(e)})")
             continue
         instances = task["instances"]
         if split == "test":
             instances = instances[:100]  # SNI's label-balanced evaluation instances come first
-        rng = random.Random(f"{seed}-{name}")  # per task: its draw doesn't depend on the tasks before it
+        rng = random.Random(f"{seed}-{name}")  # per task: its draw doesn't depend on the tasks before
         chosen = sorted(rng.sample(range(len(instances)), min(max_num_instances_per_task, len(instances))))
         for i in chosen:
             instance_id, instance_input, references = instances[i]
             examples.append(dict(task=name, id=instance_id or f"{name}-{i}", definition=task["definition"],
-                                 positives=task["positives"], input=instance_input, references=references,
-                                 target=rng.choice(references)))
+                                 positives=task["positives"], input=instance_input,
+                                 references=references, target=rng.choice(references)))
     if skipped:
-        print0(f"warning: skipped {len(skipped)} of {len(task_names)} {split} task files that are missing or lack a "
-               f"field: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
+        print0(f"warning: skipped {len(skipped)} of {len(task_names)} {split} task files: "
+               f"{'; '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
     if not examples:
-        raise UserError(f"no usable tasks in {split_file}: is {data_dir} a clone of allenai/natural-instructions?")
+        raise UserError(f"no usable task in {split_file}: {'; '.join(skipped[:3])}")
     return examples
 
 def end_with_punctuation(text):
@@ -144,7 +149,7 @@ def build_prompt(definition, positives, instance_input, num_pos_examples=2):
     return prompt + "Output: "
 
 def tokenize_example(example, tokenizer, eos_id, max_input_length, max_target_length, num_pos_examples):
-    """Adds prompt, input_ids and labels (both ending in EOS) to an example, within the length limits."""
+    """adds prompt, input_ids and labels (both ending in EOS) to an example, within the limits"""
     # the most examples that fit: what Tk-Instruct's adding them while they fit comes to
     for k in range(min(num_pos_examples, len(example["positives"])), -1, -1):
         prompt = build_prompt(example["definition"], example["positives"], example["input"], k)
@@ -158,12 +163,15 @@ def tokenize_example(example, tokenizer, eos_id, max_input_length, max_target_le
     return dict(example, prompt=prompt, input_ids=input_ids, labels=labels)
 
 def collate(examples, pad_id):
-    """(input_ids, labels, attention_mask), right-padded to a multiple of 8; labels with -100 (ignored)"""
+    """A batch, the model's arguments: input_ids, labels and attention_mask, right-padded to a
+    multiple of 8; labels with -100 (ignored)"""
     def pad(sequences, value):
-        padded = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=value)
+        tensors = [torch.tensor(s) for s in sequences]
+        padded = pad_sequence(tensors, batch_first=True, padding_value=value)
         return F.pad(padded, (0, -padded.size(1) % 8), value=value)
-    return (pad([ex["input_ids"] for ex in examples], pad_id), pad([ex["labels"] for ex in examples], -100),
-            pad([[1] * len(ex["input_ids"]) for ex in examples], 0))
+    return dict(input_ids=pad([ex["input_ids"] for ex in examples], pad_id),
+                labels=pad([ex["labels"] for ex in examples], -100),
+                attention_mask=pad([[1] * len(ex["input_ids"]) for ex in examples], 0))
 
 @lru_cache(maxsize=1)
 def rougeL_scorer():  # built once for all predictions; imported here, as its import takes seconds
@@ -171,56 +179,56 @@ def rougeL_scorer():  # built once for all predictions; imported here, as its im
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
 def rouge_l(prediction, references):
-    """Tk-Instruct's Rouge-L: rouge-score's F-measure with the Porter stemmer, best reference, times 100."""
-    scores = (rougeL_scorer().score(target=ref, prediction=prediction)["rougeL"].fmeasure for ref in references)
-    return 100.0 * max(scores)
+    """Tk-Instruct's Rouge-L: rouge-score's F-measure with the Porter stemmer, best reference, x 100"""
+    scores = [rougeL_scorer().score(target=ref, prediction=prediction)["rougeL"] for ref in references]
+    return 100.0 * max(score.fmeasure for score in scores)
 
 def exact_match(prediction, references):
-    """Tk-Instruct's: SQuAD's normalization, lowercase, no punctuation, whitespace collapsed (articles stay)"""
+    """Tk-Instruct's: SQuAD's normalization, lowercase, no punctuation, one space (articles stay)"""
     def normalize(text):
         return " ".join(text.lower().translate(str.maketrans("", "", string.punctuation)).split())
     return 100.0 * any(normalize(prediction) == normalize(ref) for ref in references)
 
 def compute_metrics(records):
-    """Rouge-L and exact match averaged over all examples, as Tk-Instruct reports them, and per task."""
+    """Rouge-L and exact match averaged over all examples, as Tk-Instruct reports them, and per task"""
     scores = [dict(task=r["task"], rougeL=rouge_l(r["prediction"], r["references"]),
                    exact_match=exact_match(r["prediction"], r["references"])) for r in records]
 
     def summary(rows):
-        return dict(rougeL=mean(row["rougeL"] for row in rows), exact_match=mean(row["exact_match"] for row in rows),
-                    num_examples=len(rows))
+        return dict(rougeL=mean(row["rougeL"] for row in rows),
+                    exact_match=mean(row["exact_match"] for row in rows), num_examples=len(rows))
     tasks = sorted({row["task"] for row in scores})
     return dict(summary(scores), per_task={task: summary([row for row in scores if row["task"] == task])
                                            for task in tasks})
 
-def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens, device, autocast, rank=0,
-                         world_size=1):
-    """Greedy predictions for this rank's share of the examples, as (index into examples, text) pairs."""
+def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens, device, autocast,
+                         rank=0, world_size=1):
+    """greedy predictions for this rank's share of the examples, as (index in examples, text) pairs"""
     # sorted by length, a batch's prompts need little padding
     shard = sorted(range(rank, len(examples), world_size), key=lambda i: len(examples[i]["input_ids"]))
     eos_id = model.config.eos_token_id
     predictions = []
     for start in tqdm(range(0, len(shard), batch_size), desc="generating", unit="batch", disable=rank != 0):
         indices = shard[start:start + batch_size]
-        input_ids, _, attention_mask = collate([examples[i] for i in indices], model.config.pad_token_id)
+        batch = collate([examples[i] for i in indices], model.config.pad_token_id)
         with autocast():
-            generated = model.generate(input_ids.to(device), attention_mask.to(device), max_new_tokens)
+            generated = model.generate(batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                       max_new_tokens)
         for i, ids in zip(indices, generated.tolist()):
             ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
-            predictions.append((i, tokenizer.decode(ids, skip_special_tokens=True)))  # as Tk-Instruct scores
+            predictions.append((i, tokenizer.decode(ids, skip_special_tokens=True)))  # as Tk-Instruct
     return predictions
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     rt = setup_runtime(device, dtype, seed)
     micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
-    # before any work: no run replaces another run's results, or shares its out_dir
+    # before any work: no run writes over another run's files, or shares its out_dir
     resuming = init_from == "resume"
-    results = ("metrics.json", "predictions.jsonl", *(() if eval_only else CHECKPOINTS))
-    out_dir_lock = claim_out_dir(out_dir, rt, fresh=not resuming, results=results)  # held while the process lives
+    out_dir_lock = claim_out_dir(out_dir, rt, fresh=not resuming, program="finetune.py")  # held till exit
 
     # the model, and the tokenizer it was pre-trained with
-    ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a directory of shards
+    ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a folder of shards
     if resuming:
         ckpt = load_checkpoint(ckpt_path, program="finetune.py")
         check_resume(ckpt, ckpt_path, config, ckpt["meta"], fixed=("optimizer",))
@@ -232,16 +240,16 @@ if __name__ == "__main__":
     print0(f"{model.num_params() / 1e6:.1f}M parameters from {init_from}")
 
     def tokenized_split(split):
-        return [tokenize_example(ex, tokenizer, model.config.eos_token_id, max_input_length, max_target_length,
-                                 num_pos_examples)
-                for ex in load_split(data_dir, split, max_num_instances_per_task, seed)]
+        examples = load_split(data_dir, split, max_num_instances_per_task, seed)
+        limits = (max_input_length, max_target_length, num_pos_examples)
+        return [tokenize_example(ex, tokenizer, model.config.eos_token_id, *limits) for ex in examples]
     test_examples = tokenized_split("test")
     train_examples = [] if eval_only else tokenized_split("train")
     # caught here rather than deep in a CUDA kernel
     top_id = max(max(ex["input_ids"] + ex["labels"]) for ex in train_examples + test_examples)
     if top_id >= model.config.vocab_size:
-        raise UserError(f"the tokenizer makes id {top_id} but the model has vocab_size {model.config.vocab_size}: "
-                        f"{init_from} was not trained with this tokenizer")
+        raise UserError(f"the tokenizer makes id {top_id} but the model has vocab_size "
+                        f"{model.config.vocab_size}: {init_from} was not trained with this tokenizer")
     print0(f"{len(train_examples):,} train and {len(test_examples):,} test examples")
     steps_per_epoch = len(train_examples) // batch_size
     if not eval_only and not steps_per_epoch:
@@ -263,21 +271,27 @@ if __name__ == "__main__":
     @lru_cache(maxsize=1)
     def epoch_order(epoch):
         # a pure function of (seed, epoch): a resumed run sees the batches it would have
-        return torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        generator = torch.Generator().manual_seed(seed + epoch)
+        return torch.randperm(len(train_examples), generator=generator).tolist()
 
-    def get_batch(micro_step):
-        """for train_step: this rank's share of the batch of `step`, one micro step at a time"""
+    def micro_batches(step):
+        """this rank's share of the batch of step for train_step: grad_accum_steps dicts of
+        input_ids, labels and attention_mask"""
         epoch, i = divmod(step, steps_per_epoch)
-        first = i * batch_size + (micro_step * rt.world_size + rt.rank) * micro_batch
-        examples = [train_examples[j] for j in epoch_order(epoch)[first:first + micro_batch]]
-        return tuple(t.to(rt.device) for t in collate(examples, model.config.pad_token_id))
+        batches = []
+        for micro_step in range(grad_accum_steps):
+            first = i * batch_size + (micro_step * rt.world_size + rt.rank) * micro_batch
+            examples = [train_examples[j] for j in epoch_order(epoch)[first:first + micro_batch]]
+            batch = collate(examples, model.config.pad_token_id)
+            batches.append({key: t.to(rt.device) for key, t in batch.items()})
+        return batches
 
     def evaluate():
-        """greedy predictions of every test example, spread over the ranks; rank 0 scores and writes them"""
+        """greedy predictions of all test examples, spread over the ranks; rank 0 scores, writes them"""
         model.eval()
-        predictions = generate_predictions(unsharded_copy(model) if fsdp else model, test_examples, tokenizer,
-                                           eval_batch_size, max_new_tokens, rt.device, rt.autocast, rt.rank,
-                                           rt.world_size)
+        generator = unsharded_copy(model) if fsdp else model
+        predictions = generate_predictions(generator, test_examples, tokenizer, eval_batch_size, max_new_tokens,
+                                           rt.device, rt.autocast, rt.rank, rt.world_size)
         model.train()
         if rt.ddp:
             shards = [None] * rt.world_size
@@ -300,33 +314,34 @@ if __name__ == "__main__":
 
     sync = Sync(rt, ckpt_path, step, elapsed)  # the ranks agree at log and checkpoint steps
     model.train()
-    t_log, steps_since_log = time.time(), 0
-    while step < max_steps and not sync.stop:
-        loss, grad_norm = train_step(train_model, opt, get_batch, grad_accum_steps, lr, grad_clip, 0.0,
-                                     rt.autocast, rt.ddp)
+    t_log = time.time()
+    steps_since_log = 0
+    stop = False
+    while step < max_steps and not stop:
+        loss, grad_norm = train_step(train_model, opt, micro_batches(step), lr, grad_clip, 0.0, rt.autocast, rt.ddp)
         step += 1
         steps_since_log += 1
         sync.watch(loss, grad_norm)
         if step % log_interval == 0 or step % checkpoint_interval == 0 or step == max_steps:
-            loss = sync.agree(step, loss)  # stops on a signal; NaN or inf ends the run before it saves
+            loss, stop = sync.agree(step, loss)  # a signal stops; a NaN ends the run unsaved
             dt = (time.time() - t_log) / steps_since_log
-            t_log, steps_since_log = time.time(), 0
+            t_log = time.time()
+            steps_since_log = 0
             logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss, "lr": lr,
                         "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt, "elapsed": sync.elapsed})
             print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | loss {loss:.4f} | "
                    f"grad norm {grad_norm.item():.3f} | {1000 * dt:.0f} ms/step | "
                    f"eta {(max_steps - step) * dt / 3600:.2f} h")
-            if sync.stop or step % checkpoint_interval == 0 or step == max_steps:
-                state = checkpoint_state(train_model, opt, step, sync.elapsed, config, meta, "finetune.py")
+            if stop or step % checkpoint_interval == 0 or step == max_steps:
+                state = checkpoint_state(train_model, opt, step, sync.elapsed, config, meta,
+                                         "finetune.py")
                 with sync.paused():
                     save_checkpoint(ckpt_path, state)
         if eval_interval and step % eval_interval == 0 and step < max_steps:
             with sync.paused():
                 evaluate()
     sync.release()
-    if step < max_steps:
-        print0(f"continue with --init_from=resume --out_dir={out_dir}")
-    else:
+    if step == max_steps:
         evaluate()
     if rt.ddp:
         torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together

@@ -1,6 +1,6 @@
 """
-nanoT5's optimizers, AdamWScale and Adafactor (the paper's baseline), the learning-rate schedules, and the training
-step that train.py, finetune.py and bench.py run.
+nanoT5's optimizers, AdamWScale and Adafactor (the paper's baseline), the learning-rate schedules,
+and the training step that train.py, finetune.py and bench.py run.
 """
 import math
 from contextlib import nullcontext
@@ -8,17 +8,141 @@ from contextlib import nullcontext
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from runtime import UserError, set_gradient_sync
+from files import UserError
+from runtime import set_gradient_sync
+
+class AdamWScale(torch.optim.Optimizer):
+    """
+    nanoT5's AdamW: each tensor's Adam step is scaled by the tensor's RMS, like Adafactor's parameter
+    scaling, so that one lr (2e-2) moves every weight by a similar fraction of its own size. Per
+    tensor p with gradient g at step t:
+        (1) step_size = lr * sqrt(1-b2^t)/(1-b1^t) * max(1e-3, RMS(p))  # RMS(p) before this update
+        (2) m = b1*m + (1-b1)*g
+        (3) v = b2*v + (1-b2)*g^2
+        (4) p -= step_size * m / (sqrt(v) + eps)
+        (5) p -= lr * wd * p                                             # decoupled; if wd > 0
+    Each line runs over all tensors of a group at once (torch._foreach_*). Under FSDP each rank holds
+    a slice of p: RMS(p) is the whole tensor's (one all-reduce per group), the rest runs on slices.
+    """
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr = group["lr"]
+            beta1, beta2 = group["betas"]
+            eps = group["eps"]
+            weight_decay = group["weight_decay"]
+            states = [self.state[p] for p in params]
+            for p, state in zip(params, states):
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+            grads = [p.grad for p in params]
+            exp_avgs = [state["exp_avg"] for state in states]
+            exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+
+            # one step size per tensor, as 0-d tensors on p's device; the step counts live on the
+            # host, so the bias corrections are plain floats
+            step_sizes = norms(params)  # (1) |p|
+            torch._foreach_mul_(step_sizes, [1 / math.sqrt(p.numel()) for p in params])  # (1) RMS(p)
+            torch._foreach_clamp_min_(step_sizes, 1e-3)  # (1) max(1e-3, RMS(p))
+            corrections = [lr * math.sqrt(1 - beta2 ** s["step"]) / (1 - beta1 ** s["step"])
+                           for s in states]
+            torch._foreach_mul_(step_sizes, corrections)  # (1) lr * sqrt(1-b2^t)/(1-b1^t) * ...
+
+            # the elementwise lines run on this rank's slices (the whole tensors outside FSDP)
+            slices = local(params)
+            grads = local(grads)
+            exp_avgs = local(exp_avgs)
+            exp_avg_sqs = local(exp_avg_sqs)
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # (2) m = b1*m + (1-b1)*g
+            torch._foreach_mul_(exp_avg_sqs, beta2)  # (3) v = b2*v ...
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)  # (3) ... + (1-b2)*g^2
+            denoms = torch._foreach_sqrt(exp_avg_sqs)  # (4) sqrt(v)
+            torch._foreach_add_(denoms, eps)  # (4) sqrt(v) + eps
+            # one more pass divides by the step sizes: on the host, they would wait for the GPU
+            torch._foreach_div_(denoms, step_sizes)  # (4) (sqrt(v) + eps) / step_size
+            torch._foreach_addcdiv_(slices, exp_avgs, denoms, value=-1.0)  # (4) p -= m / that
+            if weight_decay > 0:
+                torch._foreach_mul_(slices, 1 - lr * weight_decay)  # (5) p -= lr * wd * p
+        return loss
+
+class Adafactor(torch.optim.Optimizer):
+    """
+    Adafactor as nanoT5 compared it: HF's transformers.optimization.Adafactor with
+    relative_step=False, scale_parameter=True, warmup_init=False, beta1=None. No first moment; a
+    matrix's second moments are stored as their row and column means; the step is scaled by the
+    tensor's RMS and the update clipped to RMS 1. Per tensor p with gradient g at step t, with
+    b2 = 1 - t^decay_rate:
+        V = b2*V + (1-b2)*(g^2 + eps1)   # >= 2 dims: row, column means R, C; V ~ R C / mean(R)
+        u = g / sqrt(V)
+        u = u / max(1, RMS(u) / clip_threshold)
+        p -= lr * max(eps2, RMS(p)) * (u + weight_decay * p)      # RMS(p) before this update
+    (torch.optim.Adafactor differs: it caps the step at 1/sqrt(t), clamps V, scales decay by lr.)
+    Under FSDP the lines run as DTensor ops, which sum over the ranks where a whole tensor is needed.
+    """
+
+    def __init__(self, params, lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            eps1, eps2 = group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                factored = g.dim() >= 2
+                if not state:
+                    state["step"] = 0
+                    if factored:
+                        state["exp_avg_sq_row"] = zeros_like_mean(g, -1)  # (..., rows)
+                        state["exp_avg_sq_col"] = zeros_like_mean(g, -2)  # (..., cols)
+                    else:
+                        state["exp_avg_sq"] = torch.zeros_like(g)
+                state["step"] += 1
+                beta2 = 1 - state["step"] ** group["decay_rate"]
+                step_size = rms(p).clamp_(min=eps2) * group["lr"]
+                g2 = g * g + eps1
+                if factored:
+                    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+                    row.lerp_(g2.mean(dim=-1), 1 - beta2)
+                    col.lerp_(g2.mean(dim=-2), 1 - beta2)
+                    row_share = row / row.mean(dim=-1, keepdim=True)
+                    v = row_share.unsqueeze(-1) * col.unsqueeze(-2)  # (..., rows, cols)
+                else:
+                    v = state["exp_avg_sq"]
+                    v.lerp_(g2, 1 - beta2)
+                update = g * v.rsqrt()
+                update.div_((rms(update) / group["clip_threshold"]).clamp_(min=1.0))
+                if group["weight_decay"] != 0:
+                    p.mul_(1 - group["weight_decay"] * step_size)
+                p.sub_(update.mul_(step_size))
+        return loss
+
+# what the optimizers need for FSDP's DTensors, and torch.optim's closure
 
 def rms(t):  # of a DTensor (an FSDP shard), the whole tensor's
     return t.norm() / math.sqrt(t.numel())
 
 def local(tensors):
-    """this rank's slices of DTensors, as plain tensors sharing their memory; plain tensors as they are"""
+    """this rank's slices of DTensors, as plain tensors sharing their memory; others as they are"""
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 def norms(tensors):
-    """each tensor's 2-norm, as 0-d tensors; a DTensor's is the whole tensor's, in one all-reduce for the list"""
+    """each tensor's 2-norm, as 0-d tensors; a DTensor's is the whole tensor's (one all-reduce)"""
     if not isinstance(tensors[0], DTensor):
         return torch._foreach_norm(tensors)
     squares = torch.stack(torch._foreach_norm(local(tensors))).square_()
@@ -40,119 +164,11 @@ def closure_loss(closure):
     with torch.enable_grad():
         return closure()
 
-class AdamWScale(torch.optim.Optimizer):
-    """
-    nanoT5's AdamW: each tensor's Adam step is scaled by the tensor's RMS, like Adafactor's parameter scaling, so that
-    one lr (2e-2) moves every weight by a similar fraction of its own size. Per tensor p with gradient g at step t:
-        m = b1*m + (1-b1)*g
-        v = b2*v + (1-b2)*g^2
-        p -= lr * sqrt(1-b2^t)/(1-b1^t) * max(1e-3, RMS(p)) * m / (sqrt(v) + eps)   # RMS(p) before this update
-        p -= lr * wd * p                                                              # decoupled, only if wd > 0
-    Each line runs over all tensors of a group at once (torch._foreach_*). Under FSDP each rank holds a slice of p:
-    RMS(p) is the whole tensor's (one all-reduce per group), the elementwise lines run on the slices.
-    """
-
-    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure_loss(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            states = [self.state[p] for p in params]
-            for p, state in zip(params, states):
-                if not state:
-                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                state["step"] += 1
-            grads = [p.grad for p in params]
-            exp_avgs = [state["exp_avg"] for state in states]
-            exp_avg_sqs = [state["exp_avg_sq"] for state in states]
-
-            # one step size per tensor, as 0-d tensors on p's device
-            step_sizes = norms(params)
-            torch._foreach_mul_(step_sizes, [1 / math.sqrt(p.numel()) for p in params])
-            torch._foreach_clamp_min_(step_sizes, 1e-3)
-            # the step counts live on the host, so the bias corrections are plain floats
-            torch._foreach_mul_(step_sizes, [lr * math.sqrt(1 - beta2 ** s["step"]) / (1 - beta1 ** s["step"])
-                                             for s in states])
-
-            # the elementwise lines run on this rank's slices (the whole tensors outside FSDP)
-            slices, grads, exp_avgs, exp_avg_sqs = local(params), local(grads), local(exp_avgs), local(exp_avg_sqs)
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-            denoms = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_add_(denoms, eps)
-            # one more pass divides by the step sizes: reading them from the device would make the host wait
-            torch._foreach_div_(denoms, step_sizes)
-            torch._foreach_addcdiv_(slices, exp_avgs, denoms, value=-1.0)
-            if weight_decay > 0:
-                torch._foreach_mul_(slices, 1 - lr * weight_decay)
-        return loss
-
-class Adafactor(torch.optim.Optimizer):
-    """
-    Adafactor as nanoT5 compared it: HF's transformers.optimization.Adafactor with relative_step=False,
-    scale_parameter=True, warmup_init=False, beta1=None. No first moment; a matrix's second moments are stored as
-    their row and column means only; the step is scaled by the tensor's RMS and the update clipped to RMS 1.
-    Per tensor p with gradient g at step t, with b2 = 1 - t^decay_rate:
-        V = b2*V + (1-b2)*(g^2 + eps1)        # p with >= 2 dims: R, C = row, column means of V; V ~ R C / mean(R)
-        u = g / sqrt(V)
-        u = u / max(1, RMS(u) / clip_threshold)
-        p -= lr * max(eps2, RMS(p)) * (u + weight_decay * p)      # RMS(p) before this update
-    (torch.optim.Adafactor differs: it caps the step at 1/sqrt(t), clamps V and scales weight decay by lr.)
-    Under FSDP the lines run as DTensor ops, which sum over the ranks where the whole tensor is needed.
-    """
-
-    def __init__(self, params, lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate,
-                                      weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure_loss(closure)
-        for group in self.param_groups:
-            eps1, eps2 = group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g, state = p.grad, self.state[p]
-                factored = g.dim() >= 2
-                if not state:
-                    state["step"] = 0
-                    if factored:
-                        state["exp_avg_sq_row"] = zeros_like_mean(g, -1)  # (..., rows)
-                        state["exp_avg_sq_col"] = zeros_like_mean(g, -2)  # (..., cols)
-                    else:
-                        state["exp_avg_sq"] = torch.zeros_like(g)
-                state["step"] += 1
-                beta2 = 1 - state["step"] ** group["decay_rate"]
-                step_size = rms(p).clamp_(min=eps2) * group["lr"]
-                g2 = g * g + eps1
-                if factored:
-                    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-                    row.lerp_(g2.mean(dim=-1), 1 - beta2)
-                    col.lerp_(g2.mean(dim=-2), 1 - beta2)
-                    v = (row / row.mean(dim=-1, keepdim=True)).unsqueeze(-1) * col.unsqueeze(-2)  # (..., rows, cols)
-                else:
-                    v = state["exp_avg_sq"]
-                    v.lerp_(g2, 1 - beta2)
-                update = g * v.rsqrt()
-                update.div_((rms(update) / group["clip_threshold"]).clamp_(min=1.0))
-                if group["weight_decay"] != 0:
-                    p.mul_(1 - group["weight_decay"] * step_size)
-                p.sub_(update.mul_(step_size))
-        return loss
-
 def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min_lr):
     """
     The learning rate after `step` optimizer steps (fractional under a time budget) of max_steps.
-    cosine: linear warmup from warmup_start_factor*lr to lr, then half a cosine down to min_lr at max_steps.
-    inverse_sqrt: nanoT5's "legacy" T5 schedule, min(lr, 1/sqrt(step)), then linear from its value at 90% of the run
+    cosine: linear warmup from warmup_start_factor*lr to lr, then half a cosine to min_lr at max_steps.
+    inverse_sqrt: nanoT5's "legacy" T5 schedule, min(lr, 1/sqrt(step)), then linear from 90% of the run
         down to 0 (with T5's lr of 1e-2, flat for 10,000 steps: its warmup).
     constant: lr throughout.
     """
@@ -176,7 +192,7 @@ def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min
 LR_SCHEDULES = ("cosine", "inverse_sqrt", "constant")
 
 def param_groups(model, weight_decay, no_decay=("ln_",)):
-    """Two param groups: weight decay, and none for names containing one of no_decay (the RMSNorm scales, which
+    """Two param groups: weight decay, and none for names holding one of no_decay (the RMSNorm scales, which
     decay would pull towards 0 rather than regularise)."""
     decayed, not_decayed = [], []
     for name, p in model.named_parameters():
@@ -201,33 +217,34 @@ def make_optimizer(name, groups, lr):
     device_type = next(p for g in groups for p in g["params"]).device.type
     return torch.optim.AdamW(groups, lr=lr, eps=1e-6, fused=device_type in ("cuda", "cpu"))
 
-def train_step(model, optimizer, get_batch, grad_accum_steps=1, lr=None, grad_clip=0.0, z_loss=0.0,
+def train_step(model, optimizer, micro_batches, lr=None, grad_clip=0.0, z_loss=0.0,
                autocast=nullcontext, ddp=False):
-    """One optimizer step over grad_accum_steps micro-batches, get_batch(micro_step) -> (input_ids, labels,
-    attention_mask or None). Returns the mean loss and the gradient norm before clipping, as tensors on the device,
-    so that the caller decides when to wait for them. ddp: the model is wrapped in DDP or sharded by FSDP."""
+    """One optimizer step over a step's micro-batches, each a dict of the model's arguments
+    (input_ids, labels, perhaps attention_mask). Returns the mean loss and the gradient norm before
+    clipping, as tensors on the device: the caller decides when to wait for them. ddp: the model is
+    in DDP or sharded by FSDP."""
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
     total_loss = 0.0
-    for micro_step in range(grad_accum_steps):
-        input_ids, labels, attention_mask = get_batch(micro_step)
+    for micro_step, batch in enumerate(micro_batches):
         if ddp:
             # sync the gradients once, after the last micro-batch (nanoGPT's trick)
-            set_gradient_sync(model, micro_step == grad_accum_steps - 1)
+            set_gradient_sync(model, micro_step == len(micro_batches) - 1)
         with autocast():
-            logits, loss = model(input_ids, labels=labels, attention_mask=attention_mask)
+            logits, loss = model(**batch)
             objective = loss
             if z_loss > 0:
                 # t5x's z-loss pulls log(sum(exp(logits))) towards 0, where bf16 keeps its precision
-                valid = labels != -100
+                valid = batch["labels"] != -100
                 log_z = torch.logsumexp(logits.float(), dim=-1)
                 objective = loss + z_loss * (log_z.square() * valid).sum() / valid.sum()
-        (objective / grad_accum_steps).backward()
+        (objective / len(micro_batches)).backward()
         total_loss = total_loss + loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()  # under FSDP the norm of all ranks' slices, already summed over them
+        grad_norm = grad_norm.full_tensor()  # FSDP: the norm over all ranks' slices, already summed
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total_loss / grad_accum_steps, grad_norm
+    return total_loss / len(micro_batches), grad_norm

@@ -1,7 +1,8 @@
 """
-Bad input to the four scripts, as one table: every case runs the script as a user would, and must end with one line
+Bad input to the six scripts, as one table: every case runs the script as a user would, and must end with one line
 `error: ...` on stderr (exit code non-zero, no traceback, no hang) that says what the table expects, and leave the
-checkpoints, shards and meta.json it finds byte-identical.
+checkpoints, shards and meta.json it finds byte-identical. Then each case's fix, what its error line says to do, runs:
+the fixed command must get past that error.
 One table rather than a table per test file: the promise is the same for every script, and so is the check.
 The cases start together, one per CPU core at a time; each test waits for its own.
 """
@@ -11,6 +12,8 @@ import gzip
 import json
 import os
 import random
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -22,7 +25,7 @@ import torch
 from model import T5, T5Config
 from optim import make_optimizer, param_groups
 from prepare import prepare
-from runtime import checkpoint_state, save_checkpoint
+from checkpoint import checkpoint_state, save_checkpoint, save_pretrained
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 SYSTEM = ["--device=cpu", "--dtype=float32", "--compile=False"]
@@ -34,116 +37,209 @@ FINETUNE = ["finetune.py", *SYSTEM, "--data_dir={sni}", "--out_dir={ftrun}", "--
 PREPARE = ["prepare.py", "--dataset={corpus}", "--tokenizer=train", "--vocab_size=64", "--out_dir={prepared}",
            "--shard_tokens=1000", "--num_proc=1"]
 BENCH = ["bench.py", *SYSTEM, "--model=t5-tiny", "--input_length=32", "--steps=1", "--burn_in=0"]
+SAMPLE = ["sample.py", "--device=cpu", "--init_from={run}", "--max_new_tokens=4", "--num_samples=1"]
+EXPORT = ["export.py", "--init_from={run}", "--out_dir={tmp}/hf"]
+BASES = (TRAIN, FINETUNE, PREPARE, BENCH, SAMPLE, EXPORT)
+# a new one-step run in the case's own folder: the fix of a command line that never got to run
+FRESH_TRAIN = ["train.py", "config/t5_tiny.py", *SYSTEM, "--model=t5-tiny", "--data_dir={data}", "--out_dir={tmp}/out",
+               "--input_length=64", "--batch_size=8", "--max_steps=1", "--eval_steps=1"]
+WORDS_5000 = " ".join(["word"] * 5000)  # Python's parser runs out of memory on it
 
-# (name, command, words the error line must contain). In commands, {tmp} is the case's own empty folder, and each
-# case gets its own copy of {run} (a train.py run with a checkpoint), {ftrun} (a finetune.py run with one),
-# {sharded} (a train.py --fsdp=True run, its checkpoint a directory) and {prepared} (a prepared folder); the others
-# are shared: {data} the prepared folder, {short}, {noval} and {other}
-# damaged copies of it, {locked} a run another process holds, {ckpt} a checkpoint to fine-tune, {sni} an SNI clone,
-# {corpus} the text it was prepared from, {bad} bad files.
+# (name, command, words the error line must contain, its fix). In commands, {tmp} is the case's own empty folder, and
+# each case gets its own copy of the places in OWN_COPIES it names: {run} (a train.py run with a checkpoint), {ftrun}
+# (a finetune.py run with one), {sharded} (a train.py --fsdp=True run, its checkpoint a folder), {prepared} (a
+# prepared folder), damaged copies of it, and a run's folder holding only a log ({logonly}). The others are shared:
+# {data} the prepared folder, {other} a copy with other settings, {locked} a run another process holds, {ckpt} a
+# checkpoint to fine-tune, {hfweights} Hugging Face weights, {sni} an SNI clone, {corpus} the text {data} was
+# prepared from, {bad} bad files, {results} a finished finetune.py evaluation. "hide:package" runs the case as if
+# that package were not installed.
+# A fix is what the error line says to do: "undo", the script's base command without the mistake (one run serves every
+# row that undoes to it); args that replace or join the case's, or a whole command (starting with a script);
+# "suggested": run the command the line quotes, then the case's again; "follow": the --key=value it names; "installed":
+# the case again, nothing hidden; or a function, done to the case's places, then the case again.
 CASES = [
     # 1. every key is checked against its declared range, before any work; values that used to hang
-    ("train lr", [*TRAIN, "--lr=-1.0"], "config key 'lr' is -1.0; it must be > 0"),
-    ("train noise_density 1 (hung)", [*TRAIN, "--noise_density=1.0"], "'noise_density' is 1.0; it must be in (0, 1)"),
-    ("train mean span", [*TRAIN, "--mean_noise_span_length=0.5"], "'mean_noise_span_length' is 0.5; it must be >= 1"),
-    ("train input_length", [*TRAIN, "--input_length=0"], "'input_length' is 0; it must be >= 3"),
-    ("train grad_accum_steps", [*TRAIN, "--grad_accum_steps=0"], "'grad_accum_steps' is 0; it must be > 0"),
-    ("train log_interval", [*TRAIN, "--log_interval=0"], "'log_interval' is 0"),
-    ("train checkpoint_interval", [*TRAIN, "--checkpoint_interval=-5"], "'checkpoint_interval' is -5"),
-    ("train eval_steps (NaN)", [*TRAIN, "--eval_steps=0"], "'eval_steps' is 0; it must be > 0"),
-    ("train max_steps 0", [*TRAIN, "--max_steps=0"], "'max_steps' is 0; it must be > 0"),
-    ("train seed", [*TRAIN, "--seed=-1"], "'seed' is -1; it must be >= 0"),
-    ("train out_dir empty", [*TRAIN, "--out_dir="], "'out_dir' is ''; it must be non-empty"),
-    ("train dtype", [*TRAIN, "--dtype=float16"], "'dtype' is 'float16'; it must be one of 'float32', 'tfloat32'"),
-    ("train lr_schedule", [*TRAIN, "--lr_schedule=cosin"], "did you mean 'cosine'?"),
-    ("train device", [*TRAIN, "--device=tpu"], "device 'tpu' is not one this code runs on"),
-    ("train batch split", [*TRAIN, "--batch_size=12", "--grad_accum_steps=8"], "must split evenly"),
-    ("finetune eval_batch_size", [*FINETUNE, "--eval_batch_size=0"], "'eval_batch_size' is 0; it must be > 0"),
-    ("finetune max_new_tokens", [*FINETUNE, "--max_new_tokens=-1"], "'max_new_tokens' is -1"),
-    ("finetune epochs", [*FINETUNE, "--epochs=0"], "'epochs' is 0; it must be > 0"),
-    ("finetune lr", [*FINETUNE, "--lr=0.0"], "'lr' is 0.0; it must be > 0"),
-    ("finetune max_input_length", [*FINETUNE, "--max_input_length=0"], "'max_input_length' is 0"),
-    ("finetune batch split", [*FINETUNE, "--batch_size=3", "--grad_accum_steps=2"], "must split evenly"),
-    ("train fsdp without torchrun", [*TRAIN, "--fsdp=True"], "fsdp=True shards the model over the ranks torchrun"),
-    ("finetune fsdp without torchrun", [*FINETUNE, "--fsdp=True"], "launch with torchrun --nproc_per_node=N"),
-    ("prepare shard_tokens 0 (hung)", [*PREPARE, "--shard_tokens=0"], "'shard_tokens' is 0; it must be > 0"),
-    ("prepare num_proc", [*PREPARE, "--num_proc=0"], "'num_proc' is 0; it must be > 0"),
-    ("prepare max_train_tokens", [*PREPARE, "--max_train_tokens=-5"], "'max_train_tokens' is -5; it must be >= 0"),
-    ("prepare val_fraction 0", [*PREPARE, "--val_fraction=0.0"], "'val_fraction' is 0.0; it must be in (0, 1)"),
-    ("prepare vocab_size", [*PREPARE, "--vocab_size=0"], "'vocab_size' is 0; it must be in [1, 65436]"),
-    ("bench steps", [*BENCH, "--steps=0"], "'steps' is 0; it must be > 0"),
-    ("bench burn_in", [*BENCH, "--burn_in=-1"], "'burn_in' is -1; it must be >= 0"),
-    ("bench part", [*BENCH, "--part=dat"], "did you mean 'data'?"),
-    ("bench noise_density (hung)", [*BENCH, "--noise_density=1.0"], "'noise_density' is 1.0"),
-    ("bench model", [*BENCH, "--model=t5-tiy"], "did you mean 't5-tiny'?"),
-    ("bench compare", [*BENCH, "--part=optim", "--compare=hf"], "compare 'hf' is not valid here"),
-    ("bench batch split", [*BENCH, "--batch_size=6", "--grad_accum_steps=4"], "must split evenly"),
+    ("train lr", [*TRAIN, "--lr=-1.0"], "config key 'lr' is -1.0; it must be > 0", "undo"),
+    ("train noise_density 1 (hung)", [*TRAIN, "--noise_density=1.0"], "'noise_density' is 1.0; it must be in (0, 1)",
+     "undo"),
+    ("train mean span", [*TRAIN, "--mean_noise_span_length=0.5"], "'mean_noise_span_length' is 0.5; it must be >= 1",
+     "undo"),
+    ("train input_length", [*TRAIN, "--input_length=0"], "'input_length' is 0; it must be >= 3", "undo"),
+    ("train grad_accum_steps", [*TRAIN, "--grad_accum_steps=0"], "'grad_accum_steps' is 0; it must be > 0", "undo"),
+    ("train log_interval", [*TRAIN, "--log_interval=0"], "'log_interval' is 0", "undo"),
+    ("train checkpoint_interval", [*TRAIN, "--checkpoint_interval=-5"], "'checkpoint_interval' is -5", "undo"),
+    ("train eval_steps (NaN)", [*TRAIN, "--eval_steps=0"], "'eval_steps' is 0; it must be > 0", "undo"),
+    ("train max_steps 0", [*TRAIN, "--max_steps=0"], "'max_steps' is 0; it must be > 0", "undo"),
+    ("train seed", [*TRAIN, "--seed=-1"], "'seed' is -1; it must be >= 0", "undo"),
+    ("train out_dir empty", [*TRAIN, "--out_dir="], "'out_dir' is ''; it must be non-empty", "undo"),
+    ("train dtype", [*TRAIN, "--dtype=float16"], "'dtype' is 'float16'; it must be one of 'float32', 'tfloat32'",
+     "undo"),
+    ("train lr_schedule", [*TRAIN, "--lr_schedule=cosin"], "did you mean 'cosine'?", "undo"),
+    ("train device", [*TRAIN, "--device=tpu"], "device 'tpu' is not one this code runs on", "undo"),
+    ("train batch split", [*TRAIN, "--batch_size=12", "--grad_accum_steps=8"], "must split evenly", "undo"),
+    ("finetune eval_batch_size", [*FINETUNE, "--eval_batch_size=0"], "'eval_batch_size' is 0; it must be > 0", "undo"),
+    ("finetune max_new_tokens", [*FINETUNE, "--max_new_tokens=-1"], "'max_new_tokens' is -1", "undo"),
+    ("finetune epochs", [*FINETUNE, "--epochs=0"], "'epochs' is 0; it must be > 0", "undo"),
+    ("finetune lr", [*FINETUNE, "--lr=0.0"], "'lr' is 0.0; it must be > 0", "undo"),
+    ("finetune max_input_length", [*FINETUNE, "--max_input_length=0"], "'max_input_length' is 0", "undo"),
+    ("finetune batch split", [*FINETUNE, "--batch_size=3", "--grad_accum_steps=2"], "must split evenly", "undo"),
+    ("train fsdp without torchrun", [*TRAIN, "--fsdp=True"], "fsdp=True shards the model over the ranks torchrun",
+     "undo"),
+    ("finetune fsdp without torchrun", [*FINETUNE, "--fsdp=True"], "launch with torchrun --nproc_per_node=N", "undo"),
+    ("prepare shard_tokens 0 (hung)", [*PREPARE, "--shard_tokens=0"], "'shard_tokens' is 0; it must be > 0", "undo"),
+    ("prepare num_proc", [*PREPARE, "--num_proc=0"], "'num_proc' is 0; it must be > 0", "undo"),
+    ("prepare max_train_tokens", [*PREPARE, "--max_train_tokens=-5"], "'max_train_tokens' is -5; it must be >= 0",
+     "undo"),
+    ("prepare val_fraction 0", [*PREPARE, "--val_fraction=0.0"], "'val_fraction' is 0.0; it must be in (0, 1)", "undo"),
+    ("prepare vocab_size", [*PREPARE, "--vocab_size=0"], "'vocab_size' is 0; it must be in [1, 65436]", "undo"),
+    ("bench steps", [*BENCH, "--steps=0"], "'steps' is 0; it must be > 0", "undo"),
+    ("bench burn_in", [*BENCH, "--burn_in=-1"], "'burn_in' is -1; it must be >= 0", "undo"),
+    ("bench part", [*BENCH, "--part=dat"], "did you mean 'data'?", "undo"),
+    ("bench noise_density (hung)", [*BENCH, "--noise_density=1.0"], "'noise_density' is 1.0", "undo"),
+    ("bench model", [*BENCH, "--model=t5-tiy"], "did you mean 't5-tiny'?", "undo"),
+    ("bench compare", [*BENCH, "--part=optim", "--compare=hf"], "compare 'hf' is not valid here", "undo"),
+    ("bench batch split", [*BENCH, "--batch_size=6", "--grad_accum_steps=4"], "must split evenly", "undo"),
     # 2. an out_dir is never clobbered, and two runs never write one
-    ("train scratch over a checkpoint", [*TRAIN, "--init_from=scratch"], "pass --init_from=resume"),
-    ("finetune over a checkpoint", [*FINETUNE, "--init_from={ckpt}"], "pass --init_from=resume"),
+    ("train scratch over a checkpoint", [*TRAIN, "--init_from=scratch"], "pass --init_from=resume",
+     ["--init_from=resume"]),
+    ("finetune over a checkpoint", [*FINETUNE, "--init_from={ckpt}"], "pass --init_from=resume",
+     ["--init_from=resume"]),
     ("train scratch over a sharded checkpoint", [*TRAIN, "--out_dir={sharded}", "--init_from=scratch"],
-     "sharded/ckpt exists and this run would replace it"),
-    ("train out_dir in use", [*TRAIN, "--out_dir={locked}"], "is writing"),
-    ("finetune out_dir in use", [*FINETUNE, "--out_dir={locked}", "--optimizer=adamwscale"], "is writing"),
+     "sharded/ckpt exists and this run would replace it", ["--init_from=resume"]),
+    ("train out_dir in use", [*TRAIN, "--out_dir={locked}"], "is writing", ["--out_dir={tmp}/out"]),
+    ("finetune out_dir in use", [*FINETUNE, "--out_dir={locked}", "--optimizer=adamwscale"], "is writing",
+     ["--out_dir={tmp}/out"]),
     ("train out_dir not writable", [*TRAIN, "--init_from=scratch", "--out_dir={bad}/latin1.txt/out"],
-     "can't write to out_dir"),
+     "can't write to out_dir", ["--out_dir={tmp}/out"]),
     # 3. data is verified before it is trusted
-    ("train shard cut short", [*TRAIN, "--data_dir={short}"], "train_001.bin holds 500 tokens, not the 1,000"),
-    ("train val.bin lost", [*TRAIN, "--data_dir={noval}"], "val.bin is missing: rebuild it with `python prepare.py"),
-    ("bench shard cut short", [*BENCH, "--data_dir={short}"], "train_001.bin holds 500 tokens"),
+    ("train shard cut short", [*TRAIN, "--data_dir={short}"], "train_001.bin holds 500 tokens, not the 1,000",
+     "suggested"),
+    ("train val.bin lost", [*TRAIN, "--data_dir={noval}"], "val.bin is missing: rebuild it with `python prepare.py",
+     "suggested"),
+    ("bench shard cut short", [*BENCH, "--data_dir={short}"], "train_001.bin holds 500 tokens", "suggested"),
     ("prepare unreadable tokenizer", [*PREPARE, "--out_dir={tmp}/data", "--tokenizer={bad}/garbage.model"],
-     "as a sentencepiece model"),
+     "as a sentencepiece model", "undo"),
     ("finetune corrupt checkpoint", [*FINETUNE, "--out_dir={tmp}/out", "--init_from={bad}/garbage.pt"],
-     "corrupt or unreadable"),
+     "corrupt or unreadable", "undo"),
     # 4. a resume is the run it resumes
-    ("train resume, other model", [*TRAIN, "--model=t5-v1_1-small"], "model 't5-tiny' -> 't5-v1_1-small'"),
-    ("train resume, other optimizer", [*TRAIN, "--optimizer=adafactor"], "optimizer 'adamwscale' -> 'adafactor'"),
-    ("train resume, other data", [*TRAIN, "--data_dir={other}"], "data.max_val_tokens 10000000 -> 5000"),
-    ("finetune resume, other optimizer", [*FINETUNE, "--optimizer=adafactor"], "optimizer 'adamw' -> 'adafactor'"),
-    ("train resume of an FSDP run without fsdp", [*TRAIN, "--out_dir={sharded}"], "holds the shards of an FSDP run"),
+    ("train resume, other model", [*TRAIN, "--model=t5-v1_1-small"], "model 't5-tiny' -> 't5-v1_1-small'", "undo"),
+    ("train resume, other optimizer", [*TRAIN, "--optimizer=adafactor"], "optimizer 'adamwscale' -> 'adafactor'",
+     "undo"),
+    ("train resume, other data", [*TRAIN, "--data_dir={other}"], "data.max_val_tokens 10000000 -> 5000", "undo"),
+    ("finetune resume, other optimizer", [*FINETUNE, "--optimizer=adafactor"], "optimizer 'adamw' -> 'adafactor'",
+     "undo"),
+    ("train resume of an FSDP run without fsdp", [*TRAIN, "--out_dir={sharded}"], "holds the shards of an FSDP run",
+     ["--fsdp=True"]),
     # 5. every file error is a message
     ("prepare not UTF-8", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/latin1.txt"],
-     "latin1.txt: 'utf-8' codec can't decode"),
+     "latin1.txt: 'utf-8' codec can't decode", "undo"),
     ("prepare truncated jsonl.gz", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/cut.jsonl.gz"],
-     "could not read"),
+     "could not read", "undo"),
     ("prepare truncated txt.gz", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/cut.txt.gz"],
-     "cut.txt.gz: Compressed file ended"),
-    ("prepare not gzip", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/plain.jsonl.gz"], "could not read"),
-    ("prepare out_dir not writable", [*PREPARE, "--out_dir={bad}/latin1.txt/data"], "Not a directory"),
-    ("train config file not UTF-8", ["train.py", "{bad}/latin1.txt"], "is not UTF-8 text"),
-    ("train config file a folder", ["train.py", "{bad}"], "can't be read: Is a directory"),
-    ("finetune split file not UTF-8", [*FINETUNE, "--data_dir={bad}/sni"], "test_tasks.txt is not UTF-8 text"),
+     "cut.txt.gz: Compressed file ended", "undo"),
+    ("prepare not gzip", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/plain.jsonl.gz"], "could not read",
+     "undo"),
+    ("prepare out_dir not writable", [*PREPARE, "--out_dir={bad}/latin1.txt/data"], "Not a directory", "undo"),
+    ("train config file not UTF-8", ["train.py", "{bad}/latin1.txt"], "is not UTF-8 text", FRESH_TRAIN),
+    ("train config file a folder", ["train.py", "{bad}"], "can't be read: Is a directory", FRESH_TRAIN),
+    ("finetune split file not UTF-8", [*FINETUNE, "--data_dir={bad}/sni"], "test_tasks.txt is not UTF-8 text", "undo"),
     ("finetune HF folder without config.json", [*FINETUNE, "--out_dir={tmp}/out", "--init_from={bad}/hf"],
-     "config.json: No such file"),
+     "config.json: No such file", "undo"),
     ("train HF folder without config.json", [*TRAIN, "--out_dir={tmp}/out", "--init_from={bad}/hf"],
-     "config.json: No such file"),
+     "config.json: No such file", "undo"),
     # 6. a run continues only a run of its own kind, and never replaces results it did not make
-    ("finetune resume of a train.py run", [*FINETUNE, "--out_dir={run}"], "was written by train.py"),
+    ("finetune resume of a train.py run", [*FINETUNE, "--out_dir={run}"], "was written by train.py",
+     ["--init_from={run}/ckpt.pt", "--out_dir={tmp}/out"]),
     ("finetune eval over finished results", [*FINETUNE, "--init_from={ckpt}", "--eval_only=True",
-                                             "--out_dir={results}"], "metrics.json exists and this run would replace"),
-    ("train resume of a plain state dict", [*TRAIN, "--out_dir={bad}/statedict"], "was written by another program"),
+                                             "--out_dir={results}"], "metrics.json exists and this run would replace",
+     ["--out_dir={tmp}/out"]),
+    ("train resume of a plain state dict", [*TRAIN, "--out_dir={bad}/statedict"], "was written by another program",
+     ["--init_from={bad}/statedict/ckpt.pt", "--out_dir={tmp}/out"]),
     # 7. data is what its meta.json says, and the values given with it agree
-    ("train tokenizer of another folder", [*TRAIN, "--data_dir={othertok}"], "is not the tokenizer"),
-    ("train vocab_size against the folder", [*TRAIN, "--vocab_size=1000"], "with vocab_size 64, not 1000"),
-    ("train meta.json without a key", [*TRAIN, "--data_dir={nometa}"], "it has no 'eos_id'"),
-    ("train shard one byte long", [*TRAIN, "--data_dir={longshard}"], "holds 1,000 tokens and a byte, not the 1,000"),
-    ("train data_dir a file", [*TRAIN, "--data_dir={corpus}"], "it must be a folder, not a file"),
-    ("train log.jsonl damaged", [*TRAIN, "--out_dir={badlog}"], "line 2 of"),
+    ("train tokenizer of another folder", [*TRAIN, "--data_dir={othertok}"], "is not the tokenizer", "suggested"),
+    ("train vocab_size against the folder", [*TRAIN, "--vocab_size=1000"], "with vocab_size 64, not 1000", "undo"),
+    ("train meta.json without a key", [*TRAIN, "--data_dir={nometa}"], "it has no 'eos_id'", "undo"),
+    ("train shard one byte long", [*TRAIN, "--data_dir={longshard}"], "holds 1,000 tokens and a byte, not the 1,000",
+     "suggested"),
+    ("train data_dir a file", [*TRAIN, "--data_dir={corpus}"], "it must be a folder, not a file", "undo"),
+    ("train log.jsonl damaged", [*TRAIN, "--out_dir={badlog}"], "line 2 of",
+     lambda places, line: delete_line(os.path.join(places["badlog"], "log.jsonl"), 2)),
     # 8. config files are Python assignments; numbers are finite and usable
-    ("train YAML config", ["train.py", "{bad}/config.yaml"], "config files are Python assignments (key = value)"),
-    ("train JSON config", ["train.py", "{bad}/config.json"], "config files are Python assignments (key = value)"),
-    ("train config that sets nothing", ["train.py", "{bad}/empty.py"], "sets no config key"),
-    ("train lr inf", [*TRAIN, "--lr=1e999"], "'lr' is inf; it must be a finite number"),
-    ("train seed of 20 digits", [*TRAIN, "--seed=12345678901234567890"], "it must be below 2**63"),
+    ("train YAML config", ["train.py", "{bad}/config.yaml"], "config files are Python assignments (key = value)",
+     FRESH_TRAIN),
+    ("train JSON config", ["train.py", "{bad}/config.json"], "config files are Python assignments (key = value)",
+     FRESH_TRAIN),
+    ("train config that sets nothing", ["train.py", "{bad}/empty.py"], "sets no config key", FRESH_TRAIN),
+    ("train lr inf", [*TRAIN, "--lr=1e999"], "'lr' is inf; it must be a finite number", "undo"),
+    ("train seed of 20 digits", [*TRAIN, "--seed=12345678901234567890"], "it must be below 2**63", "undo"),
     # 9. a message names the real cause
-    ("prepare dataset a folder", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/sni"], "is a folder"),
-    ("prepare csv", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/data.csv"], "data.csv is not a .txt/"),
+    ("prepare dataset a folder", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/sni"], "is a folder", "undo"),
+    ("prepare csv", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/data.csv"], "data.csv is not a .txt/", "undo"),
     ("prepare bad line late", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/late.jsonl",
-                               "--tokenizer={data}/tokenizer.model"], "on line 30001"),
+                               "--tokenizer={data}/tokenizer.model"], "on line 30001", "undo"),
     ("finetune init_from a missing folder", [*FINETUNE, "--out_dir={tmp}/out", "--init_from={tmp}/run"],
-     "run does not exist: pass a run of train.py or finetune.py"),
+     "run does not exist: pass a run of train.py or finetune.py", "undo"),
+    # 10. a value is what the user typed, and nothing overrides it unseen
+    ("train config file after a --key", ["train.py", *SYSTEM, "--lr=0.1", "config/t5_tiny.py"],
+     "config file 'config/t5_tiny.py' comes after --device", [*FRESH_TRAIN, "--lr=0.1"]),
+    ("train a value of 5,000 words", [*TRAIN, f"--lr={WORDS_5000}"], "config key 'lr' in --lr must be float, got 'word",
+     "undo"),
+    ("train max_steps of 200 brackets", [*TRAIN, "--max_steps=" + "[" * 200], "'max_steps' in --max_steps must be int",
+     "undo"),
+    # 11. sample.py takes only what the model was trained on
+    ("sample sentinel 100", [*SAMPLE, "--text=a <extra_id_100> b"], "knows only <extra_id_0> to <extra_id_99>", "undo"),
+    ("sample sentinel 5000", [*SAMPLE, "--text=a <extra_id_5000> b"], "knows only <extra_id_0> to <extra_id_99>",
+     "undo"),
+    ("sample sentinel twice", [*SAMPLE, "--text=a <extra_id_0> b <extra_id_0>"], "<extra_id_0> twice", "undo"),
+    ("sample 100,000 new tokens", [*SAMPLE, "--max_new_tokens=100000"], "'max_new_tokens' is 100000; it must be in",
+     "undo"),
+    ("sample 100,000 samples", [*SAMPLE, "--num_samples=100000"], "windows for this run: ask for at most", "undo"),
+    # 12. an out_dir belongs to the run that wrote anything into it
+    ("train over a run killed before its checkpoint", [*TRAIN, "--init_from=scratch", "--out_dir={logonly}"],
+     "log.jsonl exists and this run would replace it: pass another --out_dir", ["--out_dir={tmp}/out"]),
+    ("finetune eval into a train.py run", [*FINETUNE, "--init_from={ckpt}", "--eval_only=True", "--out_dir={run}"],
+     "ckpt.pt exists and this run would replace it: pass another --out_dir", ["--out_dir={tmp}/out"]),
+    ("finetune into a train.py run", [*FINETUNE, "--init_from={ckpt}", "--out_dir={run}"],
+     "would replace it: pass another --out_dir", ["--out_dir={tmp}/out"]),
+    # 13. meta.json is what its tokenizer says
+    ("train meta.json edited", [*TRAIN, "--data_dir={edited}"], "meta.json records first_sentinel_id 162, not 163",
+     lambda places, line: os.remove(os.path.join(places["edited"], "meta.json")) or run_quoted(line)),
+    # 14. export.py: a command, self-contained, that replaces nothing
+    ("export a missing run", [*EXPORT, "--init_from={tmp}/nothing"], "nothing does not exist", "undo"),
+    ("export over a file", [*EXPORT, "--out_dir={corpus}"], "it must be a folder, not a file", "undo"),
+    ("export into a non-empty folder", [*EXPORT, "--out_dir={results}"], "is not empty, and export.py replaces no",
+     "undo"),
+    ("export Hugging Face weights", [*EXPORT, "--init_from={hfweights}"], "is not a run of train.py or finetune.py",
+     "undo"),
+    # 15. a run that does nothing says why
+    ("train resume at max_steps", [*TRAIN, "--max_steps=1"], "is at step 1 of max_steps=1", "undo"),
+    ("train resume with its time budget spent", [*TRAIN, "--out_dir={spent}", "--time_budget_hours=0.5"],
+     "has spent its time budget, 1.00 h of time_budget_hours=0.5", ["--time_budget_hours=2.0"]),
+    # 16. every hint works when followed
+    ("train init_from a data folder", [*TRAIN, "--out_dir={tmp}/out", "--init_from={data}"],
+     "is a prepared data folder, not a run", "undo"),
+    ("finetune init_from a data folder", [*FINETUNE, "--out_dir={tmp}/out", "--init_from={data}"],
+     "is a prepared data folder, not a run", "undo"),
+    ("train init_from Resume", [*TRAIN, "--init_from=Resume"], "did you mean --init_from=resume?", "follow"),
+    ("train init_from resume/", [*TRAIN, "--init_from=resume/"], "did you mean --init_from=resume?", "follow"),
+    ("prepare vocab_size below the corpus's characters", [*PREPARE, "--out_dir={tmp}/data", "--vocab_size=3"],
+     "is smaller than required_chars; use --vocab_size=", "follow"),
+    # 17. a missing optional package is one line that says what to install
+    ("train without wandb", [*TRAIN, "--wandb_log=True", "hide:wandb"], "pip install wandb", "undo"),
+    ("train Hugging Face weights without safetensors", [*TRAIN, "--out_dir={tmp}/out", "--init_from={hfweights}",
+                                                        "hide:safetensors"], "pip install safetensors", "installed"),
+    ("export without safetensors", [*EXPORT, "hide:safetensors"], "pip install safetensors", "installed"),
+    ("bench against transformers without it", [*BENCH, "--compare=hf", "hide:transformers"],
+     "pip install transformers", "installed"),
 ]
-OWN_COPIES = ("run", "ftrun", "prepared", "sharded")
+OWN_COPIES = ("run", "ftrun", "prepared", "sharded", "short", "noval", "othertok", "longshard", "badlog", "edited",
+              "spent")
+SHARED = ("data", "other", "locked", "results", "nometa", "logonly", "hfweights")
+# a folder whose sitecustomize.py hides the packages HIDDEN_PACKAGES names: importlib finds none of them
+HIDING = """import os, sys
+for name in os.environ.get("HIDDEN_PACKAGES", "").split(","):
+    sys.modules[name] = None
+"""
 
 WORDS = ("the of and to in is was for on that with as by at from his her which an were are this be had not river city "
          "music history government science church army school village species family film league season album "
@@ -174,14 +270,33 @@ def write_sni(root, seed=0):
     (root / "splits" / "default" / "test_tasks.txt").write_text("task002_copy\n")
 
 
-def tiny_checkpoint(path, meta, config, optimizer, program="train.py"):
+def tiny_t5(meta):
+    return T5(T5Config(vocab_size=meta["model_vocab_size"], d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                       num_decoder_layers=1, num_heads=2))
+
+
+def tiny_checkpoint(path, meta, config, optimizer, program="train.py", elapsed=0.0):
     """a checkpoint in train.py's format of a very small T5 (at a path not ending in .pt, a directory of shards, as
-    --fsdp=True writes): cases stop before its weights matter"""
-    t5 = T5(T5Config(vocab_size=meta["model_vocab_size"], d_model=32, d_kv=8, d_ff=64, num_layers=1,
-                     num_decoder_layers=1, num_heads=2))
+    --fsdp=True writes), at step 1"""
+    t5 = tiny_t5(meta)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     opt = make_optimizer(optimizer, param_groups(t5, 0.0), 1e-3)
-    save_checkpoint(path, checkpoint_state(t5, opt, 1, 0.0, dict(config, optimizer=optimizer), meta, program))
+    state = checkpoint_state(t5, opt, 1, elapsed, dict(config, optimizer=optimizer), meta, program)
+    save_checkpoint(path, state)
+
+
+def delete_line(path, number):
+    with open(path) as f:
+        lines = f.readlines()
+    with open(path, "w") as f:
+        f.writelines(lines[:number - 1] + lines[number:])
+
+
+def run_quoted(line):
+    """run the command an error line quotes between backticks, as the user would"""
+    command = shlex.split(line.split("`")[1])
+    assert command[0] == "python"
+    subprocess.run([sys.executable, *command[1:]], cwd=REPO, capture_output=True, timeout=120, check=True)
 
 
 def copy_data(data, to, damage):
@@ -212,6 +327,14 @@ def places(tmp_path_factory):
     tiny_checkpoint(str(root / "ftrun" / "ckpt.pt"), meta, {}, "adamw", "finetune.py")
     tiny_checkpoint(str(root / "sharded" / "ckpt"), meta, run_config, "adamwscale")
     tiny_checkpoint(str(root / "pretrained" / "ckpt.pt"), meta, {}, "adamwscale")
+    tiny_checkpoint(str(root / "spent" / "ckpt.pt"), meta, dict(run_config, time_budget_hours=1.0), "adamwscale",
+                    elapsed=3600.0)
+    save_pretrained(tiny_t5(meta), str(root / "hfweights"))  # with its tokenizer, as export.py writes them
+    shutil.copy(os.path.join(data, "tokenizer.model"), root / "hfweights" / "spiece.model")
+    (root / "logonly").mkdir()  # a run killed before its first checkpoint
+    (root / "logonly" / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (root / "hide").mkdir()
+    (root / "hide" / "sitecustomize.py").write_text(HIDING)
     shutil.copytree(root / "run", root / "locked")
     shutil.copytree(root / "run", root / "badlog")
     (root / "badlog" / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 1, "lo\n')
@@ -232,6 +355,11 @@ def places(tmp_path_factory):
     def one_byte_more(folder):
         with open(folder / "train_001.bin", "ab") as f:
             f.write(b"\0")
+
+    def sentinels_moved(folder):
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["first_sentinel_id"] -= 1
+        (folder / "meta.json").write_text(json.dumps(meta))
 
     bad = root / "bad"
     bad.mkdir()
@@ -262,7 +390,9 @@ def places(tmp_path_factory):
                 other=copy_data(data, root / "other", other_settings), root=str(root), results=str(root / "results"),
                 othertok=copy_data(data, root / "othertok", other_tokenizer), badlog=str(root / "badlog"),
                 nometa=copy_data(data, root / "nometa", without_eos_id),
-                longshard=copy_data(data, root / "longshard", one_byte_more))
+                longshard=copy_data(data, root / "longshard", one_byte_more),
+                edited=copy_data(data, root / "edited", sentinels_moved), spent=str(root / "spent"),
+                logonly=str(root / "logonly"), hfweights=str(root / "hfweights"), hide=str(root / "hide"))
 
 
 def snapshot(folders):
@@ -273,34 +403,71 @@ def snapshot(folders):
     return {p: open(p, "rb").read() for p in files}
 
 
+def base_of(command):
+    return next(base for base in BASES if command[:len(base)] == base)
+
+
+def with_args(args, extra):
+    """args with extra's --key=value in place of the same key's, as a user edits a command line"""
+    keys = {arg.split("=")[0] for arg in extra if arg.startswith("--")}
+    return [arg for arg in args if arg.split("=")[0] not in keys] + extra
+
+
+def run(args, env):
+    try:
+        return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(args, "timeout", "", "hung: no exit within 120 s\n")
+
+
 @pytest.fixture(scope="module")
 def results(places):
-    """{case name: (completed process, files before, files after)}, all cases started at once"""
+    """{case name: (completed process, files before, files after, the fixed command's process)}, all cases started
+    at once"""
     # another run holds the lock of this out_dir for as long as the cases run
     holder = open(os.path.join(places["locked"], "lock"), "a+")
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
 
-    def run_case(name, command):
-        tmp = os.path.join(places["root"], "cases", name.replace(" ", "_"))
-        os.makedirs(tmp)
-        own = {key: shutil.copytree(places[key], os.path.join(tmp, key)) for key in OWN_COPIES
-               if any("{" + key + "}" in arg for arg in command)}
-        args = [arg.format(**dict(places, tmp=tmp, **own)) for arg in command]
+    def run_case(name, command, fix):
+        tmp = os.path.join(places["root"], "cases", re.sub(r"\W", "_", name))
+        os.makedirs(tmp, exist_ok=True)
+        named = [key for key in places if any("{" + key + "}" in arg for arg in command)]
+        own = {key: shutil.copytree(places[key], os.path.join(tmp, key)) for key in OWN_COPIES if key in named}
+        case_places = dict(places, tmp=tmp, **own)
+        hidden = [arg.removeprefix("hide:") for arg in command if arg.startswith("hide:")]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if hidden:
+            env.update(PYTHONPATH=places["hide"], HIDDEN_PACKAGES=",".join(hidden))
+        args = [arg.format(**case_places) for arg in command if not arg.startswith("hide:")]
         # the folders the case can reach, whose checkpoints and shards must come out as they went in
-        reached = [dict(places, **own)[key] for key in (*OWN_COPIES, "data", "short", "noval", "other", "locked",
-                                                        "results", "othertok", "badlog", "nometa", "longshard")
-                   if any("{" + key + "}" in arg for arg in command)]
+        reached = [case_places[key] for key in (*OWN_COPIES, *SHARED) if key in named]
         before = snapshot(reached)
-        try:
-            r = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                               timeout=120)
-        except subprocess.TimeoutExpired:
-            r = subprocess.CompletedProcess(args, "timeout", "", "hung: no exit within 120 s\n")
-        return r, before, snapshot(reached)
+        r = run(args, env)
+        after = snapshot(reached)
+        if fix is None:
+            return r
+        # the fix, done as the error line says
+        line = (r.stderr.strip().splitlines() or [""])[-1]
+        if fix == "suggested":
+            run_quoted(line)
+        elif fix == "follow":
+            named = [word.rstrip("?.,;)") for word in line.split() if word.startswith("--") and "=" in word]
+            args = with_args(args, named[-1:])
+        elif fix == "installed":
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+        elif callable(fix):
+            fix(case_places, line)
+        elif fix[0].endswith(".py"):
+            args = [arg.format(**case_places) for arg in fix]
+        else:
+            args = with_args(args, [arg.format(**case_places) for arg in fix])
+        return r, before, after, None if fix == "undo" else run(args, env)
 
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        futures = {name: pool.submit(run_case, name, command) for name, command, _ in CASES}
+        futures = {name: pool.submit(run_case, name, command, fix) for name, command, _, fix in CASES}
+        # the base commands, which the "undo" rows come back to
+        futures.update({BASES.index(base): pool.submit(run_case, f"base {BASES.index(base)}", base, None)
+                        for base in BASES})
         yield futures
         for future in futures.values():
             future.result()
@@ -308,16 +475,28 @@ def results(places):
 
 
 def test_the_table_covers_every_script():
-    scripts = [command[0] for _, command, _ in CASES]
+    scripts = [command[0] for _, command, _, _ in CASES]
     assert len(CASES) >= 40 and all(scripts.count(s) >= 5 for s in ("train.py", "finetune.py", "prepare.py",
-                                                                      "bench.py"))
+                                                                      "bench.py", "sample.py"))
+    assert scripts.count("export.py") >= 4
 
 
-@pytest.mark.parametrize("name, command, message", CASES, ids=[name for name, _, _ in CASES])
-def test_bad_input(results, name, command, message):
-    r, before, after = results[name].result()
+@pytest.mark.parametrize("name, command, message, fix", CASES, ids=[name for name, _, _, _ in CASES])
+def test_bad_input(results, name, command, message, fix):
+    r, before, after, _ = results[name].result()
     lines = r.stderr.strip().splitlines()
     assert r.returncode not in (0, "timeout"), f"{r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
     assert lines and lines[-1].startswith("error: ") and message in lines[-1], r.stderr[-3000:]
     assert "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
     assert after == before  # every checkpoint, shard and meta.json the case could reach, byte for byte
+
+
+@pytest.mark.parametrize("name, command, message, fix", CASES, ids=[name for name, _, _, _ in CASES])
+def test_the_fix_gets_past_the_error(results, name, command, message, fix):
+    fixed = results[name].result()[3]
+    if fix == "undo":
+        fixed = results[BASES.index(base_of(command))].result()
+    lines = fixed.stderr.strip().splitlines()
+    assert fixed.returncode != "timeout", fixed.stderr[-3000:]
+    assert "Traceback" not in fixed.stderr + fixed.stdout, fixed.stderr[-3000:]
+    assert fixed.returncode == 0 or (lines and message not in lines[-1]), fixed.stderr[-3000:]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import bench
-from prepare import compute_input_and_target_lengths
+from data import compute_input_and_target_lengths
 from runtime import flops_per_step, setup_runtime
 
 # t5-tiny, 4 examples of 32 input tokens; a small vocab keeps the embedding and lm_head, and so each step, small
@@ -38,12 +38,12 @@ def run_out_of_memory(monkeypatch, fails):
     of every step tried"""
     tried, train_step = [], bench.train_step
 
-    def step(model, optimizer, get_batch, grad_accum_steps, *args, **kwargs):
-        micro_batch = len(get_batch(0)[0])
+    def step(model, optimizer, micro_batches, *args, **kwargs):
+        micro_batch = len(micro_batches[0]["input_ids"])
         tried.append(micro_batch)
         if fails(micro_batch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
-        return train_step(model, optimizer, get_batch, grad_accum_steps, *args, **kwargs)
+        return train_step(model, optimizer, micro_batches, *args, **kwargs)
     monkeypatch.setattr(bench, "train_step", step)
     return tried
 
@@ -72,6 +72,20 @@ def test_table_finishes_every_row(monkeypatch, capsys):
     assert "failed: OutOfMemoryError: CUDA out of memory" in failed
     assert "skipped" in skipped
     assert fitted.split()[2] == "2"  # the micro-batch column
+
+
+def test_the_table_runs_the_rows_of_the_dtype_and_compile_given():
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "bench.py", "--table=True", "--compile=False", "--dtype=float32",
+                        "--device=cpu", "--model=t5-tiny", "--input_length=32", "--batch_size=2", "--steps=1",
+                        "--burn_in=0"],
+                       cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    rows = [line.split()[:2] for line in r.stdout.splitlines() if line.lstrip().startswith(("float32", "tfloat32",
+                                                                                           "bfloat16"))]
+    assert r.returncode == 0 and rows == [["float32", "no"]], r.stdout + r.stderr
 
 
 def test_side_by_side_reports_the_first_call_apart(capsys):

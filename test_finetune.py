@@ -17,7 +17,7 @@ import torch
 from finetune import (build_prompt, collate, compute_metrics, exact_match, generate_predictions, load_split, rouge_l,
                       tokenize_example)
 from model import T5, T5Config, UserError
-from runtime import checkpoint_state, save_checkpoint
+from checkpoint import checkpoint_state, save_checkpoint, save_pretrained
 from prepare import prepare
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -125,6 +125,26 @@ def test_split_parsing(sni_dir, capsys):
     assert len(load_split(sni_dir, "test", 100, seed=0)) == 12
 
 
+def test_a_task_without_instances_or_with_a_malformed_one_is_named_for_it(tmp_path, capsys):
+    rng = random.Random(0)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "splits" / "default").mkdir(parents=True)
+    good, empty, malformed = (make_task(["Copy."], " ".join, 4, rng) for _ in range(3))
+    empty["Instances"] = []
+    del malformed["Instances"][2]["output"]
+    for name, task in (("task1_good", good), ("task2_empty", empty), ("task3_malformed", malformed)):
+        (tmp_path / "tasks" / f"{name}.json").write_text(json.dumps(task))
+    (tmp_path / "splits" / "default" / "train_tasks.txt").write_text("task1_good\ntask2_empty\ntask3_malformed\n")
+    (tmp_path / "splits" / "default" / "test_tasks.txt").write_text("task2_empty\ntask3_malformed\n")
+    assert len(load_split(str(tmp_path), "train", 10, seed=0)) == 4
+    assert ("skipped 2 of 3 train task files: task2_empty (it has no instances); task3_malformed (instance 2 is not "
+            "an 'input' text with a list of 'output' texts)") in capsys.readouterr().out
+    with pytest.raises(UserError, match="no usable task in .*test_tasks.txt: task2_empty \\(it has no instances\\); "
+                                        "task3_malformed \\(instance 2") as e:
+        load_split(str(tmp_path), "test", 10, seed=0)
+    assert "clone" not in str(e.value)
+
+
 def test_missing_data_dir_names_the_clone_command(tmp_path):
     with pytest.raises(UserError, match="git clone https://github.com/allenai/natural-instructions"):
         load_split(str(tmp_path / "natural-instructions"), "train", 100, seed=0)
@@ -156,7 +176,8 @@ def test_long_prompts_drop_examples_then_truncate():
 
 def test_collate_pads_to_a_multiple_of_8():
     examples = [dict(input_ids=[5] * 9, labels=[6] * 3), dict(input_ids=[7] * 2, labels=[8] * 10)]
-    input_ids, labels, attention_mask = collate(examples, pad_id=0)
+    batch = collate(examples, pad_id=0)
+    input_ids, labels, attention_mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
     assert input_ids.shape == attention_mask.shape == (2, 16) and labels.shape == (2, 16)
     assert attention_mask.sum(1).tolist() == [9, 2] and (input_ids == 0).sum().item() == 7 + 14
     assert labels[0, 3:].eq(-100).all() and labels[1, :10].eq(8).all() and labels[1, 10:].eq(-100).all()
@@ -234,7 +255,7 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
     model = T5(T5Config(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     hf_dir = str(tmp_path / "hf")
-    model.save_pretrained(hf_dir)
+    save_pretrained(model, hf_dir)
     shutil.copy(os.path.join(ckpt["meta"]["data_dir"], ckpt["meta"]["tokenizer_file"]), hf_dir + "/spiece.model")
     again = str(tmp_path / "eval")
     r = run([*common, f"--init_from={hf_dir}", f"--out_dir={again}", "--eval_only=True"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model import T5
-from runtime import load_checkpoint
+from checkpoint import load_checkpoint
 from test_finetune import sni_dir  # noqa: F401 (a fixture)
 from test_train import TINY, data_dir, read_log, run, start_until_step  # noqa: F401 (data_dir is a fixture)
 
@@ -80,7 +80,9 @@ def test_sharded_checkpoint_loads_into_one_process_and_exports(runs, tmp_path):
     reference = load_checkpoint(os.path.join(runs["adamwscale", "one"][0], "ckpt.pt"))["model"]
     for name, tensor in ours.state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=2e-3 * reference[name].abs().max().item())
-    ours.save_pretrained(str(tmp_path / "hf"))
+    # the README's export command, which reads the shards in one process
+    r = run(["export.py", f"--init_from={runs['adamwscale', 'fsdp'][0]}", f"--out_dir={tmp_path / 'hf'}"])
+    assert r.returncode == 0, r.stderr
     theirs = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path / "hf")).eval()
     torch.manual_seed(0)
     input_ids, labels = torch.randint(2, 200, (2, 12)), torch.randint(2, 200, (2, 7))

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import transformers
 
-from model import PRESETS, T5, T5Config, UserError, _hf_names, relative_position_bucket
+from checkpoint import from_pretrained, hf_names, save_pretrained
+from model import PRESETS, T5, T5Config, UserError, relative_position_bucket
 
 # small, but with everything that can go wrong: encoder/decoder depths differ, heads * d_kv != d_model,
 # and the tests use sequences longer than relative_attention_max_distance so the log buckets are exercised
@@ -80,7 +81,7 @@ def test_buckets_match_hf(bidirectional):
 def test_hf_to_ours(tmp_path, tied):
     hf = hf_model(tied)
     hf.save_pretrained(tmp_path)
-    ours = T5.from_pretrained(str(tmp_path)).eval()
+    ours = from_pretrained(str(tmp_path)).eval()
     assert ours.config.tie_word_embeddings == tied
     assert (ours.lm_head.weight is ours.shared.weight) == tied
     assert_same_outputs(ours, hf)
@@ -94,7 +95,7 @@ def test_hf_4x_style_config_untied(tmp_path):
     config.pop("scale_decoder_outputs", None)
     config["tie_word_embeddings"] = False
     (tmp_path / "config.json").write_text(json.dumps(config))
-    ours = T5.from_pretrained(str(tmp_path)).eval()
+    ours = from_pretrained(str(tmp_path)).eval()
     assert ours.config.output_scaling == 1.0
     assert_same_outputs(ours, hf)
 
@@ -103,12 +104,12 @@ def test_gradients_match_hf(tmp_path):
     # the backward too: a training step must move every weight as transformers' T5 would
     hf = hf_model(False).train()
     hf.save_pretrained(tmp_path)
-    ours = T5.from_pretrained(str(tmp_path)).train()
+    ours = from_pretrained(str(tmp_path)).train()
     input_ids, attention_mask, labels = padded_batch()
     ours(input_ids, labels=labels, attention_mask=attention_mask)[1].backward()
     hf(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
     hf_grads = {name: p.grad for name, p in hf.named_parameters()}
-    for name, hf_name in _hf_names(ours):
+    for name, hf_name in hf_names(ours):
         grad, ref = dict(ours.named_parameters())[name].grad, hf_grads[hf_name]
         assert (grad - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item()), name
 
@@ -117,7 +118,7 @@ def test_gradients_match_hf(tmp_path):
 def test_ours_to_hf(tmp_path, tied):
     torch.manual_seed(2)
     ours = T5(T5Config(**SMALL, tie_word_embeddings=tied)).eval()
-    ours.save_pretrained(tmp_path)
+    save_pretrained(ours, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] == tied
     hf, info = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -125,12 +126,12 @@ def test_ours_to_hf(tmp_path, tied):
 
 
 def test_from_pretrained_dropout_and_overrides(tmp_path):
-    T5(T5Config(**SMALL)).save_pretrained(tmp_path)
+    save_pretrained(T5(T5Config(**SMALL)), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["dropout_rate"] = 0.1  # what the v1.1 checkpoints say
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert T5.from_pretrained(str(tmp_path)).config.dropout == 0.1
-    overridden = T5.from_pretrained(str(tmp_path), dropout=0.0, eos_token_id=5).config
+    assert from_pretrained(str(tmp_path)).config.dropout == 0.1
+    overridden = from_pretrained(str(tmp_path), dropout=0.0, eos_token_id=5).config
     assert (overridden.dropout, overridden.eos_token_id, overridden.d_kv) == (0.0, 5, 20)
 
 
@@ -160,7 +161,7 @@ def test_greedy_generate_matches_hf(tmp_path):
     # a random model rarely says EOS: make EOS a token that row 0 greedily emits early, so rows stop at
     # different steps and the padding after EOS is exercised
     ours.config.eos_token_id = ours.generate(prompts, attention_mask, max_new_tokens=8)[0, 4].item()
-    ours.save_pretrained(tmp_path)
+    save_pretrained(ours, tmp_path)
     hf = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path).eval()
     for rows in ([0, 1, 2, 3], [1], [2, 3]):
         got = ours.generate(prompts[rows], attention_mask[rows], max_new_tokens=40)
@@ -273,7 +274,7 @@ def test_unsupported_activation(tmp_path):
     config["feed_forward_proj"] = "relu"
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="unsupported"):
-        T5.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
 
 
 def test_hub_id_fails_fast_offline(monkeypatch):
@@ -283,21 +284,21 @@ def test_hub_id_fails_fast_offline(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     start = time.time()
     with pytest.raises(UserError, match="local folder"):
-        T5.from_pretrained("nanot5-test/no-such-model")
+        from_pretrained("nanot5-test/no-such-model")
     assert time.time() - start < 10
     with pytest.raises(UserError, match="not a folder"):
-        T5.from_pretrained("./no/such/folder")
+        from_pretrained("./no/such/folder")
 
 
 def test_corrupt_weights(tmp_path):
-    T5(T5Config(**SMALL)).save_pretrained(tmp_path)
+    save_pretrained(T5(T5Config(**SMALL)), tmp_path)
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(UserError, match="corrupt"):
-        T5.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
     os.remove(weights)
     with pytest.raises(UserError, match="no model.safetensors"):
-        T5.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
 
 
 def test_cross_attention_kv_are_copied_contiguous_on_cpu_only():

@@ -6,9 +6,10 @@ import shutil
 import pytest
 import torch
 
+import data as D
 import prepare as P
 from model import T5
-from runtime import load_checkpoint
+from checkpoint import load_checkpoint, save_pretrained
 from sample import encode, fill_in
 from test_train import TINY, data_dir, run  # noqa: F401 (data_dir is a fixture)
 
@@ -47,7 +48,7 @@ def test_held_out_windows_are_shown_next_to_the_truth(trained, data_dir):  # noq
     assert r.returncode == 0, r.stderr
     t5, tok = model_and_tokenizer(trained)
     # the run's own val windows (input_length 64), with the noise every evaluation uses
-    val = P.SpanCorruptionBatches(data_dir, "val", 2, 64, 0.15, 3.0, 1337, t5.config.vocab_size)
+    val = D.SpanCorruptionBatches(data_dir, "val", 2, 64, 0.15, 3.0, 1337, t5.config.vocab_size)
     inputs, labels = val.get(0)
     for ids, truth in zip(inputs.tolist(), labels.tolist()):
         corrupted = tok.decode(ids)
@@ -57,11 +58,29 @@ def test_held_out_windows_are_shown_next_to_the_truth(trained, data_dir):  # noq
 
 def test_hugging_face_weights_use_the_tokenizer_beside_them(trained, tmp_path):
     t5, tok = model_and_tokenizer(trained)
-    t5.save_pretrained(str(tmp_path))
+    save_pretrained(t5, str(tmp_path))
     data = load_checkpoint(os.path.join(trained, "ckpt.pt"))["meta"]["data_dir"]
     shutil.copy(os.path.join(data, "tokenizer.model"), tmp_path / "spiece.model")
     ours = run(["sample.py", f"--init_from={trained}", f"--text={TEXT}", "--device=cpu"])
     theirs = run(["sample.py", f"--init_from={tmp_path}", f"--text={TEXT}", "--device=cpu"])
+    assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout, theirs.stderr
+
+
+def test_export_is_a_self_contained_hugging_face_folder(trained, tmp_path):
+    """export.py writes the run with its own tokenizer: transformers gives the same logits, sample.py the same fills"""
+    import transformers
+    folder = str(tmp_path / "hf")
+    r = run(["export.py", f"--init_from={trained}", f"--out_dir={folder}"])
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors", "spiece.model"]
+    t5, tok = model_and_tokenizer(trained)
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(folder).eval()
+    input_ids, labels = torch.tensor([encode(tok, TEXT)]), torch.tensor([[tok.first_sentinel_id, 7, 8, tok.eos_id]])
+    with torch.no_grad():
+        torch.testing.assert_close(t5(input_ids, labels=labels)[0], hf(input_ids=input_ids, labels=labels).logits,
+                                   rtol=0, atol=1e-4)
+    ours = run(["sample.py", f"--init_from={trained}", f"--text={TEXT}", "--device=cpu"])
+    theirs = run(["sample.py", f"--init_from={folder}", f"--text={TEXT}", "--device=cpu"])
     assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout, theirs.stderr
 
 
@@ -73,7 +92,7 @@ def test_hugging_face_weights_use_the_tokenizer_beside_them(trained, tmp_path):
 ])
 def test_bad_input_is_one_line(trained, tmp_path, args, message):
     t5, _ = model_and_tokenizer(trained)
-    t5.save_pretrained(str(tmp_path / "hf"))
+    save_pretrained(t5, str(tmp_path / "hf"))
     args = [arg.format(hf=tmp_path / "hf", missing=tmp_path) for arg in args]
     r = run(["sample.py", f"--init_from={trained}", "--device=cpu", *args], env_extra={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr

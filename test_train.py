@@ -2,6 +2,7 @@
 train.py and configurator.py, run as a user runs them: as subprocesses on data the tests make themselves.
 Covers learning, exact kill-and-resume, DDP == one process, and the one-line errors for bad input.
 """
+import glob
 import json
 import os
 import random
@@ -85,9 +86,10 @@ def test_tiny_config_learns(learned):
 def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
     import numpy as np
     import torch
+    import data as D
     import prepare as P
     from model import T5
-    from test_prepare import rebuild
+    from test_data import rebuild
     out = str(tmp_path / "out")
     r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=6", "--eval_interval=3",
              "--checkpoint_interval=6"])
@@ -99,7 +101,7 @@ def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
         assert f"    model: {example['model']}\n    truth: {example['truth']}\n" in r.stdout
 
     # the examples are the first two windows of val.bin, and their truth is exactly the spans span corruption removed
-    val = P.SpanCorruptionBatches(data_dir, "val", 8, 64, 0.15, 3.0, 1337, P.load_meta(data_dir)["model_vocab_size"])
+    val = D.SpanCorruptionBatches(data_dir, "val", 8, 64, 0.15, 3.0, 1337, P.load_meta(data_dir)["model_vocab_size"])
     inputs, labels = (t[:2] for t in val.get(0))
     windows = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16)[:2 * val.raw_length]
     meta, tok = val.meta, P.load_tokenizer(data_dir)
@@ -112,7 +114,7 @@ def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
     for step in range(2):  # --eval_steps=2
         x, y = val.get(step)
         with torch.no_grad():
-            totals += torch.stack(P.span_accuracy(t5(x, labels=y)[0], y, meta["first_sentinel_id"]))
+            totals += torch.stack(D.span_accuracy(t5(x, labels=y)[0], y, meta["first_sentinel_id"]))
     assert shown[-1]["span_acc"] == pytest.approx((totals[0] / totals[1]).item())
     # the fill is what generate() writes for that input with the final weights, cut at EOS
     fills = t5.generate(inputs, max_new_tokens=labels.size(1)).tolist()
@@ -223,10 +225,10 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
 PATCHED_TRAIN = """
 import inspect, json, math, os, runpy, sys, time
 sys.path.insert(0, {repo!r})
-import optim, runtime, torch
+import checkpoint, optim, torch
 rank = int(os.environ.get("RANK", 0))
 lrs, collectives = [], [0]
-train_step, save_checkpoint = optim.train_step, runtime.save_checkpoint
+train_step, save_checkpoint = optim.train_step, checkpoint.save_checkpoint
 
 def recording_train_step(*args, **kwargs):
     lrs.append(inspect.signature(train_step).bind(*args, **kwargs).arguments["lr"])
@@ -244,7 +246,7 @@ def counting(collective):
         return collective(*args, **kwargs)
     return counted
 
-optim.train_step, runtime.save_checkpoint = recording_train_step, slow_save_checkpoint
+optim.train_step, checkpoint.save_checkpoint = recording_train_step, slow_save_checkpoint
 torch.distributed.all_reduce = counting(torch.distributed.all_reduce)
 torch.distributed.broadcast = counting(torch.distributed.broadcast)
 sys.argv = ["train.py", *sys.argv[1:]]
@@ -381,6 +383,51 @@ def test_configurator_errors_are_one_line(config_script, args, message):
     assert r.stderr.startswith(f"error: {message}") and r.stderr.count("\n") == 1, r.stderr
 
 
+def test_configurator_takes_a_string_as_typed(config_script):
+    # not through literal_eval, which reads 2024_06_01 as the number 20240601
+    r = run([str(config_script), "--out_dir=2024_06_01"])
+    assert r.returncode == 0 and "'out_dir': '2024_06_01'" in r.stdout, r.stderr
+
+
+def test_the_error_hook_never_fails(tmp_path):
+    # a MemoryError without a message is one line; an exception that can't be shown is the usual traceback
+    for body, line in (("raise MemoryError()", "error: out of memory (MemoryError)"),
+                       ("class Odd(Exception):\n    def __str__(self):\n        raise ValueError\nraise Odd()",
+                        "Odd: <exception str() failed>")):
+        script = tmp_path / "script.py"
+        script.write_text(f"import os\nexec(open(os.path.join({REPO!r}, 'configurator.py')).read())\n{body}\n")
+        r = run([str(script)])
+        assert r.returncode == 1 and "Error in sys.excepthook" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith(line), r.stderr
+
+
+def interrupted(args, when):
+    """a run of train.py given Ctrl-C as soon as when(stdout so far) is true: (its stdout, stderr, exit code)"""
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out = ""
+    while not when(out) and proc.poll() is None:
+        out += proc.stdout.readline()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    return out + stdout, stderr, proc.returncode
+
+
+def test_ctrl_c_while_starting_and_while_preparing_data_is_one_line(tmp_path):
+    args = [*TINY, f"--data_dir={tmp_path}/pydoc", f"--out_dir={tmp_path}/out"]
+    # while the imports run
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=60)[1]
+    assert proc.returncode in (130, -signal.SIGINT), stderr
+    assert stderr.startswith("interrupted: ") and stderr.count("\n") == 1, stderr
+    # while train.py prepares the pydoc corpus itself: what was finished stays finished
+    stdout, stderr, code = interrupted(args, lambda out: "training a 1000-piece" in out)
+    assert code in (130, -signal.SIGINT) and stderr.startswith("interrupted: ") and stderr.count("\n") == 1, stderr
+    assert not os.path.exists(tmp_path / "out" / "log.jsonl") and not glob.glob(f"{tmp_path}/pydoc/*.tmp")
+
+
 def test_configurator_rejects_unknown_key_in_file(config_script, tmp_path):
     (tmp_path / "bad.py").write_text("batch_size = 4\nlearning_rate = 0.1\n")
     r = run([str(config_script), str(tmp_path / "bad.py")])
@@ -390,14 +437,15 @@ def test_configurator_rejects_unknown_key_in_file(config_script, tmp_path):
 def test_resume_says_what_changed(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2", "--eval_interval=1000"]
     assert run(["train.py", *args, "--lr=0.01"]).returncode == 0
-    r = run(["train.py", *args, "--init_from=resume", "--lr=0.02", "--log_interval=5"])
+    r = run(["train.py", *args, "--init_from=resume", "--lr=0.02", "--log_interval=5", "--max_steps=3"])
     assert r.returncode == 0, r.stderr
-    assert f"resuming from {tmp_path}/ckpt.pt at step 2; changed on resume: lr 0.01 -> 0.02, log_interval 1 -> 5" \
-        in r.stdout
+    assert (f"resuming from {tmp_path}/ckpt.pt at step 2; changed on resume: max_steps 2 -> 3, lr 0.01 -> 0.02, "
+            f"log_interval 1 -> 5") in r.stdout
 
 
 def test_every_rank_stops_when_another_run_holds_out_dir(data_dir, tmp_path):
-    from runtime import Runtime, claim_out_dir
+    from checkpoint import claim_out_dir
+    from runtime import Runtime
     lock = claim_out_dir(str(tmp_path), Runtime("cpu", "cpu", "float32", False, 0, 0, 1), fresh=True)
     r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
              f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2"])

@@ -1,0 +1,334 @@
+"""A run's folder and its weights on disk: one run at a time in an out_dir, never over another run's
+results; a resume continues only its own run; a checkpoint saved, loaded and restored, as one file or
+(FSDP) as a folder of shards; Hugging Face's format read and written; and load_model, which takes
+whichever --init_from names."""
+import contextlib
+import dataclasses
+import fcntl
+import glob
+import json
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule
+
+from files import UserError, atomic_write, reading, write_error, write_failure
+from model import T5, T5Config
+from runtime import print0, rank, raw_model, require
+
+# what a run writes in its out_dir: the checkpoint (one file, or FSDP's folder of shards, or what a run
+# killed while replacing that left of it), the log and the results; a fresh run refuses to find one
+RUN_FILES = ("ckpt.pt", "ckpt", "ckpt.old", "log.jsonl", "metrics.json", "predictions.jsonl")
+
+# the run's folder
+
+def claim_out_dir(out_dir, rt, fresh, program="train.py"):
+    """Before a run does any work: a fresh run refuses an out_dir holding a file another run wrote;
+    then an flock on out_dir/lock, which the OS drops however the run dies. Rank 0 decides, every rank
+    raises. Returns the lock file to keep while the run lasts, or None (a resume with no out_dir)."""
+    problem = None
+    lock = None
+    if rt.master:
+        found = [os.path.join(out_dir, name) for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+        if fresh and found:
+            resumable = found[0].endswith((".pt", "ckpt", ".old")) and written_by(found[0]) == program
+            hint = "pass --init_from=resume to continue that run, or" if resumable else "pass"
+            problem = (f"{found[0]} exists and this run would replace it: {hint} another --out_dir to start a "
+                       f"new one")
+        elif fresh or os.path.isdir(out_dir):
+            try:
+                os.makedirs(out_dir, exist_ok=True)
+                lock = open(os.path.join(out_dir, "lock"), "a+")
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                problem = (f"another run (pid {lock.read().strip() or '?'}) is writing {out_dir}: wait for it to "
+                           f"finish, or use another --out_dir")
+            except OSError as e:
+                problem = f"can't write to out_dir {out_dir}: {e.strerror}"
+            else:
+                lock.truncate(0)
+                lock.write(f"{os.getpid()}\n")
+                lock.flush()
+    problem = [problem]
+    if rt.ddp:
+        torch.distributed.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise UserError(problem[0])
+    return lock
+
+def check_resume(ckpt, path, config, meta, fixed):
+    """A resume continues its checkpoint's run: the keys in `fixed` (what its weights and optimizer
+    state were made with) and its data's settings keep their values; the resume line names other
+    keys that changed."""
+    def settings(config, meta):  # the data as prepare.py made it, wherever its folder is now
+        data = (meta or {}).get("settings") or {}
+        return {**config, **{f"data.{key}": value for key, value in data.items()}}
+    saved = settings(ckpt["config"], ckpt["meta"])
+    current = settings(config, meta)
+    differences = {key: f"{key} {saved[key]!r} -> {current[key]!r}" for key in current
+                   if key in saved and saved[key] != current[key] and key != "init_from"}
+    wrong = [text for key, text in differences.items() if key in fixed or key.startswith("data.")]
+    if wrong:
+        raise UserError(f"--init_from=resume continues the run in {path}, which had other settings "
+                        f"({', '.join(wrong)}): set them back, or start a new run in another --out_dir")
+    changed = ", ".join(differences.values())
+    changed = f"; changed on resume: {changed}" if changed else ""
+    print0(f"resuming from {path} at step {ckpt['step']}{changed}")
+
+# checkpoints
+
+def barrier():
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+def written_by(path):
+    """the program that wrote the checkpoint at path, or None if it can't be read"""
+    state_file = path if path.endswith(".pt") else os.path.join(path, "state.pt")
+    with contextlib.suppress(Exception):  # mmap: the weights are not read
+        return torch.load(state_file, map_location="cpu", weights_only=False, mmap=True).get("program")
+
+def finished_dir(path):
+    """where path's last complete sharded checkpoint is: path, or path.old if a run died swapping"""
+    return path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
+
+def save_checkpoint(path, state):
+    """A .pt path: rank 0 writes one file atomically. A folder (FSDP; every rank calls this): the
+    ranks write their shards and rank 0 the rest (state.pt) into path.tmp, which replaces path, kept
+    as path.old meanwhile."""
+    if path.endswith(".pt"):
+        if rank() == 0:
+            with atomic_write(path) as f:
+                torch.save(state, f)
+        return
+    tmp = path + ".tmp"
+    old = path + ".old"
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+    barrier()
+    try:
+        dcp.save({"model": state["model"], "optimizer": state["optimizer"]}, checkpoint_id=tmp)
+    except dcp.CheckpointException as e:  # every rank gets every rank's failures
+        failure = write_failure(next(exc for exc, _ in e.failures.values()))
+        if failure is None:
+            raise
+        raise write_error(path, failure) from None
+    if rank() == 0:  # every rank's shards are written once dcp.save returns
+        with atomic_write(os.path.join(tmp, "state.pt")) as f:
+            torch.save({k: v for k, v in state.items() if k not in ("model", "optimizer")}, f)
+        if os.path.isdir(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+def load_checkpoint(path, program=None):
+    """The checkpoint at path (a .pt file or a folder of FSDP shards) as one dict; with `program`,
+    only one that program wrote. From shards: the whole model, all else but the optimizer, and
+    'shards' naming the folder."""
+    sharded = not path.endswith(".pt")
+    found = finished_dir(path) if sharded else path
+    state_file = os.path.join(found, "state.pt") if sharded else found
+    if not os.path.isfile(state_file):
+        if sharded:
+            other, kind = path + ".pt", "one written without FSDP: leave fsdp off"
+        else:
+            other = path.removesuffix(".pt")
+            kind = "the shards of an FSDP run: pass --fsdp=True (under torchrun)"
+        if os.path.exists(finished_dir(other)):
+            hint = f"but {other} holds {kind} to read it"
+        else:
+            hint = "check the path, or train one first with train.py"
+        raise UserError(f"no {'sharded ' if sharded else ''}checkpoint at {path}; {hint}")
+    with reading(found, "{path} is corrupt or unreadable ({reason}): delete it or use another",
+                 errors=(Exception, dcp.CheckpointException)):  # dcp's exception is no Exception
+        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        if sharded:
+            tensors = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
+            model = {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
+                     for key, md in tensors.items()
+                     if key.startswith("model.") and isinstance(md, dcp.TensorStorageMetadata)}
+            with warnings.catch_warnings():  # no_dist: each caller reads the whole model on its own
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({"model": model}, checkpoint_id=found, no_dist=True)
+            state = dict(state, model=model, shards=found)
+    if program and (not isinstance(state, dict) or state.get("program") != program):
+        writer = state.get("program") if isinstance(state, dict) else None
+        raise UserError(f"{path} was written by {writer or 'another program'}, and {program} "
+                        f"--init_from=resume continues only its own runs: start from it with "
+                        f"--init_from={path} in another --out_dir")
+    return state
+
+def checkpoint_state(model, optimizer, step, elapsed, config, meta=None, program="train.py"):
+    """All a run needs to continue where it stopped, and which program wrote it. Under FSDP every
+    rank calls this: the tensors are this rank's shards, the RNG states every rank's."""
+    t5 = raw_model(model)
+    sharded = isinstance(t5, FSDPModule)
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    if sharded:
+        rngs = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(rngs, rng)
+        rng = rngs
+    optimizer_state = get_optimizer_state_dict(t5, optimizer) if sharded else optimizer.state_dict()
+    return {"program": program, "model": t5.state_dict(), "model_config": dataclasses.asdict(t5.config),
+            "optimizer": optimizer_state, "step": step, "elapsed": elapsed, "config": config,
+            "meta": meta, "rng": rng}
+
+def restore_state(ckpt, model, optimizer):
+    """A resumed run's optimizer state and RNG. From shards each rank reads its slices, for any
+    number of ranks; with more ranks than wrote them, the RNG states repeat."""
+    if "shards" in ckpt:
+        t5 = raw_model(model)
+        state = {"optimizer": get_optimizer_state_dict(t5, optimizer)}  # the layout to fill
+        dcp.load(state, checkpoint_id=ckpt["shards"])
+        set_optimizer_state_dict(t5, optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    rng = ckpt["rng"]
+    if isinstance(rng, list):  # every rank's
+        rng = rng[rank() % len(rng)]
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+# Hugging Face's format: transformers' T5ForConditionalGeneration, read and written
+
+# T5Config fields that Hugging Face's config.json names differently; all others have the same name
+HF_CONFIG_NAMES = {'dropout': 'dropout_rate', 'layer_norm_eps': 'layer_norm_epsilon'}
+# our block sub-modules -> Hugging Face's; the parameters inside them have the same names
+HF_SUBLAYERS = dict(ln_1='layer.0.layer_norm', attn='layer.0.SelfAttention',
+                    self_attn='layer.0.SelfAttention', ln_2='layer.1.layer_norm',
+                    cross_attn='layer.1.EncDecAttention', ln_3='layer.2.layer_norm')
+# copies of shared.weight, and a cross-attention bias table old checkpoints carry and T5 never uses
+HF_REDUNDANT = {'encoder.embed_tokens.weight', 'decoder.embed_tokens.weight',
+                'decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight'}
+
+def hf_names(model):
+    """(our name, Hugging Face's) of each tensor: decoder.blocks.3.cross_attn.k.weight is
+    decoder.block.3.layer.1.EncDecAttention.k.weight"""
+    for name in model.state_dict():
+        stack, kind, *rest = name.split('.')
+        if kind == 'blocks':  # the feed-forward is the encoder's second layer, the decoder's third
+            feed_forward = f"layer.{1 if stack == 'encoder' else 2}.DenseReluDense"
+            sub = HF_SUBLAYERS.get(rest[1], feed_forward)
+            yield name, '.'.join([stack, 'block', rest[0], sub, *rest[2:]])
+        else:  # ln_f, shared, lm_head
+            yield name, name.replace('ln_f', 'final_layer_norm')
+
+def from_pretrained(name_or_dir, **overrides):
+    """A gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5) from a Hub id or a folder with
+    config.json and model.safetensors (or pytorch_model.bin); overrides are T5Config fields."""
+    folder = name_or_dir if os.path.isdir(name_or_dir) else download(name_or_dir)
+    config_file = os.path.join(folder, 'config.json')
+    with reading(config_file), open(config_file) as f:
+        hf = json.load(f)
+    activation = hf.get('feed_forward_proj', 'relu')
+    if activation != 'gated-gelu':
+        raise UserError(f"unsupported model {name_or_dir}: feed_forward_proj is {activation!r}, "
+                        f"model.py implements gated-gelu T5s (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5)")
+    state_dict = read_weights(folder)
+    names = [field.name for field in dataclasses.fields(T5Config)]
+    values = {name: hf.get(HF_CONFIG_NAMES.get(name, name)) for name in names}
+    fields = {name: value for name, value in values.items() if value is not None}
+    fields.setdefault('num_decoder_layers', fields['num_layers'])
+    # transformers 5.x says tie_word_embeddings=true even when untied: the weights decide tying
+    shared = state_dict['shared.weight']
+    lm_head = state_dict.get('lm_head.weight', shared)
+    fields['tie_word_embeddings'] = lm_head is shared or torch.equal(lm_head, shared)
+    fields.setdefault('scale_decoder_outputs', hf.get('tie_word_embeddings', True))
+    model = T5(T5Config(**{**fields, **overrides}))
+    ours = {hf_name: name for name, hf_name in hf_names(model)}
+    state_dict = {ours.get(k, k): v for k, v in state_dict.items() if k not in HF_REDUNDANT}
+    state_dict['lm_head.weight'] = lm_head
+    return model.load_weights(state_dict, f"weights in {folder} do not match its config.json")
+
+def save_pretrained(model, folder):
+    """config.json and model.safetensors, which transformers' T5ForConditionalGeneration reads"""
+    from safetensors.torch import save
+    c = model.config
+    state_dict = model.state_dict()
+    tensors = {hf_name: state_dict[name].contiguous() for name, hf_name in hf_names(model)
+               if not (c.tie_word_embeddings and name == 'lm_head.weight')}  # tied: shared.weight
+    hf = {HF_CONFIG_NAMES.get(k, k): v for k, v in dataclasses.asdict(c).items()}
+    hf.update(architectures=['T5ForConditionalGeneration'], model_type='t5',
+              feed_forward_proj='gated-gelu', dense_act_fn='gelu_new', is_gated_act=True,
+              is_encoder_decoder=True, initializer_factor=1.0, use_cache=True,
+              scale_decoder_outputs=c.output_scaling != 1.0)
+    os.makedirs(folder, exist_ok=True)
+    with atomic_write(os.path.join(folder, 'model.safetensors')) as f:
+        f.write(save(tensors, metadata={'format': 'pt'}))
+    with atomic_write(os.path.join(folder, 'config.json'), 'w') as f:
+        json.dump(hf, f, indent=2)
+
+def download(repo_id):
+    """a Hub model's folder in the Hugging Face cache: config.json and the weights (safetensors)"""
+    if os.path.exists(repo_id) or repo_id.startswith(('.', '/', '~')) or repo_id.count('/') != 1:
+        raise UserError(f"{repo_id} is not a folder with a Hugging Face checkpoint, nor a Hub id "
+                        f"like google/t5-v1_1-base")
+    try:
+        from huggingface_hub import snapshot_download
+        folder = snapshot_download(repo_id, allow_patterns=['config.json', '*.safetensors'], etag_timeout=5)
+        if not glob.glob(os.path.join(folder, '*.safetensors')):
+            folder = snapshot_download(repo_id, allow_patterns=['config.json', 'pytorch_model*.bin'], etag_timeout=5)
+    except Exception as e:  # offline, unknown or gated repo, no huggingface_hub
+        raise UserError(f"could not get {repo_id} from the Hugging Face Hub ({type(e).__name__}); pass "
+                        f"a local folder with config.json and model.safetensors (or pytorch_model.bin)")
+    return folder
+
+def read_weights(folder):
+    """every tensor of the checkpoint in folder (sharded or not), safetensors preferred"""
+    files = sorted(glob.glob(f'{folder}/*.safetensors')) or sorted(glob.glob(f'{folder}/pytorch_model*.bin'))
+    if not files:
+        raise UserError(f"no model.safetensors or pytorch_model.bin in {folder}; write one with export.py")
+    corrupt = "could not read the weights in {path} ({reason}); they are corrupt or cut: get them again"
+    with reading(folder, corrupt):
+        if files[0].endswith('.safetensors'):
+            from safetensors.torch import load_file
+            return {k: v for f in files for k, v in load_file(f).items()}
+        return {k: v for f in files for k, v in torch.load(f, map_location='cpu', weights_only=True).items()}
+
+# where a model comes from: a run's checkpoint, or Hugging Face weights
+
+def find_weights(init_from):
+    """The checkpoint of a run of train.py or finetune.py that init_from names (its out_dir, ckpt.pt or
+    ckpt/), or None for Hugging Face weights (a folder, or a Hub name); what is neither is one line."""
+    for path in (init_from, os.path.join(init_from, "ckpt.pt"), os.path.join(init_from, "ckpt")):
+        if os.path.isfile(path if path.endswith(".pt") else os.path.join(finished_dir(path), "state.pt")):
+            return path
+    if init_from.endswith(".pt"):
+        return init_from  # a missing one: load_checkpoint names it
+    if os.path.isfile(os.path.join(init_from, "meta.json")):
+        raise UserError(f"{init_from} is a prepared data folder, not a run: give it as --data_dir, and as "
+                        f"--init_from a run's out_dir or Hugging Face weights")
+    if not os.path.exists(init_from) and os.path.isdir(os.path.dirname(init_from)):  # a path, not a Hub id
+        raise UserError(f"{init_from} does not exist: pass a run of train.py or finetune.py (its out_dir, "
+                        f"ckpt.pt or ckpt/), a folder with Hugging Face weights, or a Hub name")
+    require("safetensors", f"--init_from={init_from} (Hugging Face weights)")
+    return None
+
+def check_init_from(init_from):
+    """configurator.py's rule for train.py's and finetune.py's init_from: all but a missing checkpoint
+    file is checked before the run does any work"""
+    word = init_from.strip("/").lower()
+    if word in ("scratch", "resume") and init_from != word and not os.path.exists(init_from):
+        raise UserError(f"--init_from={init_from} names no run or weights: did you mean --init_from={word}?")
+    if init_from not in ("scratch", "resume"):
+        find_weights(init_from)
+
+def load_model(init_from, **overrides):
+    """(T5, its checkpoint or None) from a run of train.py or finetune.py (its out_dir, ckpt.pt or
+    ckpt/) or from Hugging Face weights (a Hub name or folder); overrides are T5Config fields."""
+    path = find_weights(init_from)
+    if path is None:
+        return from_pretrained(init_from, **overrides), None
+    ckpt = load_checkpoint(path)
+    with reading(path, "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"):
+        return T5.from_checkpoint(ckpt, **overrides), ckpt

@@ -1,0 +1,257 @@
+"""
+The training-time data path: a prepared folder's windows of tokens, span-corrupted into T5's
+(inputs, targets); the batch of every step, built ahead in a thread; what an evaluation shows.
+    data = SpanCorruptionBatches("data/pydoc", "train", batch_size=16, input_length=128,
+                                 noise_density=0.15, mean_noise_span_length=3.0, seed=1337, vocab_size=1152)
+    input_ids, labels = data.get(step)  # (16, 128) and (16, 29): the batch of any step, at any time
+"""
+import functools
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from files import UserError
+from prepare import NUM_SENTINELS, check_files, load_meta, prepare_command
+
+# span corruption, as T5 does it (t5.data.preprocessors: random_spans_noise_mask and co.)
+
+def noise_counts(length, noise_density, mean_noise_span_length):
+    """(noise tokens, noise spans) of a window: at least one noise and one kept token, and no more
+    noise spans than kept ones, as the two alternate"""
+    num_noise = min(max(round(length * noise_density), 1), length - 1)
+    num_spans = max(1, round(min(num_noise, length - num_noise) / mean_noise_span_length))
+    return num_noise, num_spans
+
+def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
+    """T5's random_spans_helper: (the longest raw window whose inputs fit inputs_length, the length
+    of its targets). Inputs hold the kept tokens, a sentinel per span and EOS; targets a sentinel per
+    span, the noise and EOS."""
+    def corrupted_lengths(raw_length):
+        num_noise, num_spans = noise_counts(raw_length, noise_density, mean_noise_span_length)
+        return raw_length - num_noise + num_spans + 1, num_noise + num_spans + 1
+    raw_length = inputs_length - 1
+    while corrupted_lengths(raw_length + 1)[0] <= inputs_length:
+        raw_length += 1
+    return raw_length, corrupted_lengths(raw_length)[1]
+
+def random_segmentation(num_items, num_segments, rng):
+    """T5's: the lengths of the num_segments non-empty runs that num_items split into at random.
+    Item 0 starts the first run; num_segments - 1 of the others, chosen at random, start the rest."""
+    starts = np.zeros(1, dtype=np.int64)
+    if num_segments > 1:  # the items with the smallest random keys: a uniformly random choice
+        keys = rng.random(num_items - 1)
+        chosen = np.argpartition(keys, num_segments - 2)[:num_segments - 1] + 1
+        starts = np.concatenate([starts, np.sort(chosen)])
+    return np.diff(starts, append=num_items)
+
+def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rng):
+    """T5's: which tokens of a window are noise (True), in num_spans spans of random lengths; the
+    window starts with kept tokens and ends with noise"""
+    num_noise, num_spans = noise_counts(length, noise_density, mean_noise_span_length)
+    kept_lengths = random_segmentation(length - num_noise, num_spans, rng)
+    noise_lengths = random_segmentation(num_noise, num_spans, rng)
+    # interleaving kept and noise spans: kept, noise, kept, noise, ...
+    span_lengths = np.stack([kept_lengths, noise_lengths], axis=1).reshape(-1)
+    span_number = np.repeat(np.arange(2 * num_spans), span_lengths)  # 0, 0, 1, 1, 1, 2, ...
+    return span_number % 2 == 1
+
+def noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id):
+    """T5's: each span of noise tokens becomes one sentinel, counting down from first_sentinel_id
+    (<extra_id_0>) for the first span"""
+    previous_is_noise = np.concatenate([[False], noise_mask[:-1]])
+    first_noise = noise_mask & ~previous_is_noise
+    subsequent_noise = noise_mask & previous_is_noise
+    sentinels = first_sentinel_id + 1 - np.cumsum(first_noise)
+    return np.where(first_noise, sentinels, tokens)[~subsequent_noise]
+
+def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rngs):
+    """T5's span corruption of windows `tokens` (B, L): (inputs, targets), int64, rows ending with
+    EOS. rngs: a numpy Generator per row (a row is then the same alone as in a batch), or one for all.
+    With words for tokens, a window of 10, noise_density 0.3 and mean_noise_span_length 1.5 make 3
+    noise tokens in 2 spans; random segmentation splits the 7 kept tokens into 2 runs, here 2 and 5,
+    and the 3 noise tokens into 2 and 1; interleaved, they make the noise mask:
+        window:   Thank  you  for  inviting  me  to  your  party  last  week
+        mask:     .      .    x    x         .   .   .     .      .     x
+        inputs:   Thank you <extra_id_0> me to your party last <extra_id_1> </s>
+        targets:  <extra_id_0> for inviting <extra_id_1> week </s>
+    The inputs keep what was not noise, with a sentinel for each noise span; the targets are the
+    noise spans, each after its sentinel: the model learns to fill in the blanks."""
+    if isinstance(rngs, np.random.Generator):
+        rngs = [rngs] * len(tokens)
+    inputs = []
+    targets = []
+    for row, rng in zip(tokens.astype(np.int64), rngs):
+        noise_mask = random_spans_noise_mask(len(row), noise_density, mean_noise_span_length, rng)
+        inputs.append(noise_span_to_unique_sentinel(row, noise_mask, first_sentinel_id))
+        targets.append(noise_span_to_unique_sentinel(row, ~noise_mask, first_sentinel_id))
+    eos = np.full((len(tokens), 1), eos_id, dtype=np.int64)
+    return np.concatenate([inputs, eos], axis=1), np.concatenate([targets, eos], axis=1)
+
+# the batch of every step
+
+def micro_batch_size(batch_size, grad_accum_steps, world_size):
+    """the rows of one micro-step on one rank: a step's batch_size over micro-steps and ranks"""
+    size, leftover = divmod(batch_size, grad_accum_steps * world_size)
+    if leftover or not size:
+        raise UserError(f"batch_size={batch_size} must split evenly into grad_accum_steps="
+                        f"{grad_accum_steps} x {world_size} ranks; change batch_size or grad_accum_steps")
+    return size
+
+@functools.lru_cache(maxsize=1)
+def permutation(seed, num_windows, epoch):
+    return np.random.default_rng([seed, 0, epoch]).permutation(num_windows)
+
+class SpanCorruptionBatches:
+    """Span-corrupted batches of a prepared folder's windows of raw_length tokens. Row r of step
+    k's global batch is a function of (seed, k, r), so that resuming, more GPUs or another
+    grad_accum_steps change nothing; val's rows ignore the seed: eval losses compare across runs."""
+    def __init__(self, data_dir, split, batch_size, input_length, noise_density,
+                 mean_noise_span_length, seed, vocab_size):
+        self.meta = load_meta(data_dir)
+        if vocab_size != self.meta["model_vocab_size"]:
+            raise UserError(f"{data_dir} was tokenised with '{self.meta['settings']['tokenizer']}' for a "
+                            f"model vocab of {self.meta['model_vocab_size']}, but the model's vocab_size is "
+                            f"{vocab_size}: use data prepared with the model's tokenizer")
+        self.split = split
+        self.batch_size = batch_size
+        self.seed = seed
+        self.noise = (noise_density, mean_noise_span_length, self.meta["first_sentinel_id"],
+                      self.meta["eos_id"])
+        self.raw_length, self.targets_length = compute_input_and_target_lengths(
+            input_length, noise_density, mean_noise_span_length)
+        names = self.meta["train_shards"] if split == "train" else ["val.bin"]
+        check_files(self.meta, names)
+        self.shards = [np.memmap(f"{data_dir}/{name}", dtype=np.uint16, mode="r") for name in names]
+        for name, shard in zip(names, self.shards):
+            if len(shard) and shard.max() >= vocab_size:
+                remake = prepare_command(self.meta["settings"], data_dir)
+                raise UserError(f"{data_dir}/{name} holds token id {shard.max()}, beyond the model's "
+                                f"vocab_size {vocab_size}: the data is corrupt or from another "
+                                f"tokenizer; make it again with `{remake}`")
+        windows = [len(s) // self.raw_length for s in self.shards]  # each shard's, not overlapping
+        self.num_windows = sum(windows)
+        if self.num_windows == 0:
+            raise UserError(f"the {split} data in {data_dir} has fewer than {self.raw_length} tokens, "
+                            f"not one window: prepare more data or lower input_length")
+        self.first_window = np.cumsum([0] + windows)  # of each shard
+
+    def windows(self, samples):
+        """the window each sample (step * batch_size + row) reads: each epoch of train in its order"""
+        if self.split != "train":
+            return samples % self.num_windows
+        windows = np.empty_like(samples)
+        epochs = samples // self.num_windows
+        for epoch in np.unique(epochs):
+            order = permutation(self.seed, self.num_windows, epoch)
+            windows[epochs == epoch] = order[samples[epochs == epoch] % self.num_windows]
+        return windows
+
+    def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
+        """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: this rank's
+        slice of step's global batch for micro_step, b = batch_size / (grad_accum_steps * world_size)"""
+        b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
+        first_row = (micro_step * world_size + rank) * b
+        rows = range(first_row, first_row + b)
+        windows = self.windows(step * self.batch_size + np.array(rows))
+        shard = np.searchsorted(self.first_window, windows, side="right") - 1
+        start = (windows - self.first_window[shard]) * self.raw_length
+        raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shard, start)])
+        if self.split == "train":
+            rngs = [np.random.default_rng([self.seed, 1, step, r]) for r in rows]
+        else:
+            rngs = [np.random.default_rng([2, step, r]) for r in rows]
+        return tuple(torch.from_numpy(t).to(device) for t in span_corrupt(raw, *self.noise, rngs))
+
+class Prefetcher:
+    """get(step): this rank's micro-batches of step for optim.train_step, grad_accum_steps dicts of
+    input_ids and labels. A thread builds step + 1's while the caller runs step (the order of
+    steps is known: no DataLoader workers), and on CUDA pins them: the copy to the GPU is async."""
+    def __init__(self, data, grad_accum_steps, rank, world_size, device):
+        self.data = data
+        self.grad_accum_steps = grad_accum_steps
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        pin_on = {}
+        if self.device.type == "cuda":  # the thread pins on this rank's GPU: no context on GPU 0
+            gpu = torch.cuda.current_device() if self.device.index is None else self.device.index
+            pin_on = dict(initializer=torch.cuda.set_device, initargs=(gpu,))
+        self.pool = ThreadPoolExecutor(1, **pin_on)
+        self.next = (None, None)  # (step, future of its micro-batches on the host)
+
+    def on_host(self, step):
+        micro_batches = []
+        for micro_step in range(self.grad_accum_steps):
+            input_ids, labels = self.data.get(step, micro_step, self.grad_accum_steps, self.rank,
+                                              self.world_size)
+            if self.device.type == "cuda":
+                input_ids, labels = input_ids.pin_memory(), labels.pin_memory()
+            micro_batches.append(dict(input_ids=input_ids, labels=labels))
+        return micro_batches
+
+    def get(self, step):
+        next_step, future = self.next
+        micro_batches = future.result() if next_step == step else self.on_host(step)
+        self.next = (step + 1, self.pool.submit(self.on_host, step + 1))
+        return [{key: t.to(self.device, non_blocking=True) for key, t in batch.items()} for batch in micro_batches]
+
+    def close(self):
+        """stop the thread, dropping a batch built ahead that no step will use"""
+        self.pool.shutdown(cancel_futures=True)
+
+# what an evaluation shows: two examples filled in, and how many spans the model gets right
+
+def shown_length(tok, ids, num_spans=3):
+    """how many of ids (a fill or a true fill) hold their first num_spans spans"""
+    ends = [i for i, token in enumerate(ids) if token in (tok.eos_id, tok.first_sentinel_id - num_spans)]
+    return ends[0] if ends else len(ids)
+
+def show_fill(tok, inputs, fill, truth, num_spans=3, context=6):
+    """One span-corrupted example as an evaluation prints it: the input around its first num_spans
+    sentinels, and the model's and the true fill of those."""
+    inputs = np.asarray(inputs).tolist()
+    shown = [i for i, token in enumerate(inputs) if tok.is_sentinel(token)][:num_spans]
+    keep = sorted({j for i in shown for j in range(max(i - context, 0), min(i + context + 1, len(inputs)))})
+    runs = np.split(np.array(keep), np.nonzero(np.diff(keep) > 1)[0] + 1) if keep else []
+    text = " ... ".join(tok.decode([inputs[j] for j in run]).strip() for run in runs)
+    start = "... " if keep and keep[0] > 0 else ""
+    fill = np.asarray(fill).tolist()
+    truth = np.asarray(truth).tolist()
+    return {"input": start + text + " ...",
+            "model": tok.decode(fill[:shown_length(tok, fill, num_spans)]).strip(),
+            "truth": tok.decode(truth[:shown_length(tok, truth, num_spans)]).strip()}
+
+def span_accuracy(logits, labels, first_sentinel_id):
+    """(spans right, spans) of a batch under teacher forcing, as tensors: a noise span is right when
+    the model's argmax is each of its tokens and the token that ends it (a sentinel, or EOS)."""
+    sentinel = (labels <= first_sentinel_id) & (labels > first_sentinel_id - NUM_SENTINELS)
+    span = sentinel.long().cumsum(1) - sentinel.long()  # (B, T): the span a label is in or ends
+    wrong = ((logits.argmax(-1) != labels) & (span > 0)).float()  # span 0: the first sentinel
+    wrong_per_span = torch.zeros(labels.size(0), labels.size(1) + 1, device=labels.device)
+    wrong_per_span.scatter_add_(1, span, wrong)
+    return sentinel.sum() - (wrong_per_span[:, 1:] > 0).sum(), sentinel.sum()
+
+def span_fills(labels, first_sentinel_id):
+    """the fills, as tuples of ids, of every noise span in a (B, T) batch of labels"""
+    fills = []
+    for token in (token for row in labels.tolist() for token in row[:-1]):  # the last is EOS
+        if first_sentinel_id - NUM_SENTINELS < token <= first_sentinel_id:
+            fills.append(())
+        else:
+            fills[-1] += (token,)
+    return fills
+
+def unigram_baseline(train, val, val_steps, train_spans=10_000):
+    """(the commonest training fill, span accuracy on val always writing it): the score of a model
+    that ignores the input"""
+    first = train.meta["first_sentinel_id"]
+    fills = []
+    step = 0
+    while len(fills) < train_spans:
+        fills += span_fills(train.get(step)[1], first)
+        step += 1
+    common = Counter(fills).most_common(1)[0][0]
+    val_fills = [fill for step in range(val_steps) for fill in span_fills(val.get(step)[1], first)]
+    return common, val_fills.count(common) / len(val_fills)
