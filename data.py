@@ -39,12 +39,11 @@ def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_sp
 def random_segmentation(num_items, num_segments, rng):
     """T5's: the lengths of the num_segments non-empty runs that num_items split into at random.
     Item 0 starts the first run; num_segments - 1 of the others, chosen at random, start the rest."""
-    starts = np.zeros(1, dtype=np.int64)
+    starts = np.zeros(0, dtype=np.int64)  # of all runs but the first
     if num_segments > 1:  # the items with the smallest random keys: a uniformly random choice
         keys = rng.random(num_items - 1)
-        chosen = np.argpartition(keys, num_segments - 2)[:num_segments - 1] + 1
-        starts = np.concatenate([starts, np.sort(chosen)])
-    return np.diff(starts, append=num_items)
+        starts = np.sort(np.argpartition(keys, num_segments - 2)[:num_segments - 1] + 1)
+    return np.diff(np.concatenate([[0], starts, [num_items]]))
 
 def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rng):
     """T5's: which tokens of a window are noise (True), in num_spans spans of random lengths; the
@@ -60,7 +59,8 @@ def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rng):
 def noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id):
     """T5's: each span of noise tokens becomes one sentinel, counting down from first_sentinel_id
     (<extra_id_0>) for the first span"""
-    previous_is_noise = np.concatenate([[False], noise_mask[:-1]])
+    previous_is_noise = np.zeros_like(noise_mask)
+    previous_is_noise[1:] = noise_mask[:-1]
     first_noise = noise_mask & ~previous_is_noise
     subsequent_noise = noise_mask & previous_is_noise
     sentinels = first_sentinel_id + 1 - np.cumsum(first_noise)
