@@ -137,7 +137,8 @@ def load_checkpoint(path, program=None):
     state_file = os.path.join(found, "state.pt") if sharded else found
     if not os.path.isfile(state_file):
         if sharded:
-            other, kind = path + ".pt", "one written without FSDP: leave fsdp off"
+            other = path + ".pt"
+            kind = "one written without FSDP: leave fsdp off"
         else:
             other = path.removesuffix(".pt")
             kind = "the shards of an FSDP run: pass --fsdp=True (under torchrun)"

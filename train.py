@@ -94,7 +94,7 @@ micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
 def describes_data_dir(key):
     """Whether `key` was given with data_dir (in one config file) or after it: then it describes
     that folder, and must be what its meta.json says. A key given before a later --data_dir
-    described the folder that replaced (config/t5_tiny.py's dataset under --data_dir=mine, say)."""
+    described the folder that one replaced (config/t5_tiny.py's dataset under --data_dir=mine)."""
     return given_at.get(key, -1) >= given_at.get("data_dir", 0)
 
 # the data: the offline corpus is prepared on first use
@@ -113,7 +113,7 @@ if contradicted:
                     f"values, or give another --data_dir")
 tok = load_tokenizer(meta)
 # a new run never replaces a checkpoint, and two runs never write one out_dir
-out_dir_lock = claim_out_dir(out_dir, rt, fresh=init_from != "resume")  # held while we live
+out_dir_lock = claim_out_dir(out_dir, rt, fresh=init_from != "resume")  # held till the end
 
 # the model: from scratch, from this run's checkpoint, or from other weights (a run's, or HF's)
 ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a folder of shards
