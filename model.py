@@ -1,7 +1,7 @@
 """A T5 v1.1 encoder-decoder in one file, numerically Hugging Face's T5ForConditionalGeneration.
 After the T5 paper (arxiv.org/abs/1910.10683), t5x (v1.1's shapes, buckets and init), transformers'
-modeling_t5.py, and gpt-fast (the static KV cache, the compiled decode step). export.py reads and
-writes Hugging Face's format."""
+modeling_t5.py, and gpt-fast (the static KV cache, the compiled decode step). checkpoint.py reads
+and writes Hugging Face's format."""
 
 import dataclasses
 import math
