@@ -123,13 +123,9 @@ class SpanCorruptionBatches:
             input_length, noise_density, mean_noise_span_length)
         names = self.meta["train_shards"] if split == "train" else ["val.bin"]
         check_files(self.meta, names)
+        self.names = names
         self.shards = [np.memmap(f"{data_dir}/{name}", dtype=np.uint16, mode="r") for name in names]
-        for name, shard in zip(names, self.shards):
-            if len(shard) and shard.max() >= vocab_size:
-                remake = prepare_command(self.meta["settings"], data_dir)
-                raise UserError(f"{data_dir}/{name} holds token id {shard.max()}, beyond the model's "
-                                f"vocab_size {vocab_size}: the data is corrupt or from another "
-                                f"tokenizer; make it again with `{remake}`")
+        self.vocab_size = vocab_size  # ids checked in get: here, every shard would be read whole
         windows = [len(s) // self.raw_length for s in self.shards]  # each shard's, not overlapping
         self.num_windows = sum(windows)
         if self.num_windows == 0:
@@ -158,6 +154,13 @@ class SpanCorruptionBatches:
         shard = np.searchsorted(self.first_window, windows, side="right") - 1
         start = (windows - self.first_window[shard]) * self.raw_length
         raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shard, start)])
+        if raw.max() >= self.vocab_size:
+            row = raw.max(axis=1).argmax()
+            path = f"{self.meta['data_dir']}/{self.names[shard[row]]}"
+            remake = prepare_command(self.meta["settings"], self.meta["data_dir"])
+            raise UserError(f"{path} holds token id {raw[row].max()}, beyond the model's "
+                            f"vocab_size {self.vocab_size}: the data is corrupt or from another "
+                            f"tokenizer; make it again with `{remake}`")
         if self.split == "train":
             rngs = [np.random.default_rng([self.seed, 1, step, r]) for r in rows]
         else:

@@ -1,5 +1,6 @@
 """Tests for data.py: span corruption against T5's algorithm one example at a time, the batch of every step, the
 prefetcher, and span accuracy. CPU only, no network: the folder is test_prepare.py's, prepared from synthetic C4."""
+import json
 import os
 import threading
 
@@ -10,7 +11,7 @@ import torch
 import data as D
 import prepare as P
 from model import UserError
-from test_prepare import SHARD_TOKENS, batches, corpus, data_dir, folder_bytes  # noqa: F401 (fixtures)
+from test_prepare import SHARD_TOKENS, batches, copy_of, corpus, data_dir, folder_bytes  # noqa: F401 (fixtures)
 
 
 def span_corrupt_per_example(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rng):
@@ -253,6 +254,28 @@ def test_stream_bad_input(data_dir, tmp_path):
     with pytest.raises(UserError, match="train_00[01].bin holds token id 600"):
         for step in range(20):
             batches(str(bad)).get(step)
+
+
+def test_start_up_reads_no_shard_whole(data_dir, tmp_path):
+    big = copy_of(data_dir, tmp_path / "big")
+    with open(os.path.join(big, "train_000.bin"), "r+b") as f:
+        f.truncate(3 << 30)  # a sparse 3 GB shard: its holes read as token id 0
+    with open(os.path.join(big, "meta.json")) as f:
+        meta = json.load(f)
+    meta["shards"][0]["tokens"] = (3 << 30) // 2
+    with open(os.path.join(big, "meta.json"), "w") as f:
+        json.dump(meta, f)
+
+    def resident_kb():  # mapped pages of a shard count too
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+    before = resident_kb()
+    streams = [batches(data_dir)]  # kept: their shards stay mapped
+    small = resident_kb() - before
+    streams.append(batches(big))
+    large = resident_kb() - before - small
+    assert large <= small + 1024, (small, large)  # KB: reading the shard whole would add its 3 GB
+    assert batches(big).get(0)[0].shape == (8, 64)
 
 
 # -----------------------------------------------------------------------------------------------------------------
