@@ -13,13 +13,14 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule
 
 from files import UserError, atomic_write, reading, write_error, write_failure
 from model import T5, T5Config
-from runtime import print0, rank, raw_model, require
+from runtime import print0, rank, raw_model, require, wrap_model
 
 # what a run writes in its out_dir: the checkpoint (one file, or FSDP's folder of shards, or what a run
 # killed while replacing that left of it), the log and the results; a fresh run refuses to find one
@@ -128,10 +129,10 @@ def save_checkpoint(path, state):
         shutil.rmtree(old, ignore_errors=True)
     barrier()
 
-def load_checkpoint(path, program=None):
+def load_checkpoint(path, program=None, weights=True):
     """The checkpoint at path (a .pt file or a folder of FSDP shards) as one dict; with `program`,
-    only one that program wrote. From shards: the whole model, all else but the optimizer, and
-    'shards' naming the folder."""
+    only one that program wrote. From shards: all but the optimizer, the whole model only if weights
+    (a sharded run's ranks read their own slices), and 'shards' naming the folder."""
     sharded = not path.endswith(".pt")
     found = finished_dir(path) if sharded else path
     state_file = os.path.join(found, "state.pt") if sharded else found
@@ -150,7 +151,7 @@ def load_checkpoint(path, program=None):
     with reading(found, "{path} is corrupt or unreadable ({reason}): delete it or use another",
                  errors=(Exception, dcp.CheckpointException)):  # dcp's exception is no Exception
         state = torch.load(state_file, map_location="cpu", weights_only=False)
-        if sharded:
+        if sharded and weights:
             tensors = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
             model = {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
                      for key, md in tensors.items()
@@ -158,7 +159,9 @@ def load_checkpoint(path, program=None):
             with warnings.catch_warnings():  # no_dist: each caller reads the whole model on its own
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load({"model": model}, checkpoint_id=found, no_dist=True)
-            state = dict(state, model=model, shards=found)
+            state = dict(state, model=model)
+        if sharded:
+            state = dict(state, shards=found)
     if program and (not isinstance(state, dict) or state.get("program") != program):
         writer = state.get("program") if isinstance(state, dict) else None
         raise UserError(f"{path} was written by {writer or 'another program'}, and {program} "
@@ -333,3 +336,40 @@ def load_model(init_from, **overrides):
     ckpt = load_checkpoint(path)
     with reading(path, "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"):
         return T5.from_checkpoint(ckpt, **overrides), ckpt
+
+def start_model(weights, rt, fsdp=False, compile=False, dynamic=None, activation_checkpointing=False,
+                **overrides):
+    """(The model a run trains, wrapped by runtime.wrap_model, and the checkpoint of the run it starts
+    from or None.) weights: a T5Config (fresh weights), a resumed run's checkpoint, or what --init_from
+    names (a run, or Hugging Face weights); overrides are T5Config fields. Under FSDP no rank holds the
+    whole model: a resume reads each rank's own shards, and other weights are read by rank 0 alone,
+    which sends each rank its shards."""
+    model = ckpt = None
+    if isinstance(weights, T5Config):
+        config = weights
+    elif isinstance(weights, dict):  # a resume
+        config = T5Config(**{**weights["model_config"], **overrides})
+        if not fsdp:
+            model = T5.from_checkpoint(weights, **overrides)
+    elif rt.master or not fsdp:
+        model, ckpt = load_model(weights, **overrides)
+        config = model.config
+    if not fsdp and model is not None:
+        return wrap_model(model, rt, False, compile, dynamic, activation_checkpointing), ckpt
+    if fsdp and isinstance(weights, str):  # the config, and the checkpoint but its weights, from rank 0
+        found = [(config, {k: v for k, v in ckpt.items() if k != "model"} if ckpt else None)
+                 if rt.master else None]
+        torch.distributed.broadcast_object_list(found, src=0)
+        config, ckpt = found[0]
+    with torch.device("meta"):
+        t5 = T5(config)
+    wrapped = wrap_model(t5, rt, fsdp, compile, dynamic, activation_checkpointing,
+                         init=isinstance(weights, T5Config))
+    if isinstance(weights, dict):
+        state = {"model": get_model_state_dict(t5)}
+        dcp.load(state, checkpoint_id=weights["shards"])
+        set_model_state_dict(t5, state["model"])
+    elif isinstance(weights, str):
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(t5, model.state_dict() if rt.master else {}, options=options)
+    return wrapped, ckpt

@@ -22,14 +22,13 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from checkpoint import (check_init_from, check_resume, checkpoint_state, claim_out_dir, load_checkpoint,
-                        load_model, restore_state, save_checkpoint)
+                        restore_state, save_checkpoint, start_model)
 from data import micro_batch_size
 from files import UserError, atomic_write, reading, reason
-from model import T5
 from optim import check_optimizer, make_optimizer, param_groups, train_step
 from prepare import load_tokenizer
-from runtime import (DTYPES, Logger, Sync, check_device, check_fsdp, check_wandb, print0, setup_runtime,
-                     unsharded_copy, wrap_model)
+from runtime import (DTYPES, Logger, Sync, check_device, check_fsdp, check_wandb, print0, raw_model,
+                     setup_runtime)
 
 # -------------------------------------------------------------------------------------------------
 # default config: nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data
@@ -202,10 +201,12 @@ def compute_metrics(records):
                                            for task in tasks})
 
 def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens, device, autocast,
-                         rank=0, world_size=1):
-    """greedy predictions for this rank's share of the examples, as (index in examples, text) pairs"""
+                         rank=0, world_size=1, all_steps=False):
+    """greedy predictions for this rank's share of the examples, as (index in examples, text) pairs.
+    all_steps (FSDP): every rank runs as many batches and decoding steps, the same model calls."""
     # sorted by length, a batch's prompts need little padding
     shard = sorted(range(rank, len(examples), world_size), key=lambda i: len(examples[i]["input_ids"]))
+    shard += shard[-1:] * (-(-len(examples) // world_size) - len(shard))  # a repeat evens the shares
     eos_id = model.config.eos_token_id
     predictions = []
     for start in tqdm(range(0, len(shard), batch_size), desc="generating", unit="batch", disable=rank != 0):
@@ -213,7 +214,7 @@ def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens,
         batch = collate([examples[i] for i in indices], model.config.pad_token_id)
         with autocast():
             generated = model.generate(batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                       max_new_tokens)
+                                       max_new_tokens, all_steps=all_steps)
         for i, ids in zip(indices, generated.tolist()):
             ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
             predictions.append((i, tokenizer.decode(ids, skip_special_tokens=True)))  # as Tk-Instruct
@@ -230,11 +231,12 @@ if __name__ == "__main__":
     # the model, and the tokenizer it was pre-trained with
     ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a folder of shards
     if resuming:
-        ckpt = load_checkpoint(ckpt_path, program="finetune.py")
+        ckpt = load_checkpoint(ckpt_path, program="finetune.py", weights=not fsdp)
         check_resume(ckpt, ckpt_path, config, ckpt["meta"], fixed=("optimizer",))
-        model = T5.from_checkpoint(ckpt, dropout=dropout)
-    else:
-        model, ckpt = load_model(init_from, dropout=dropout)
+        train_model, _ = start_model(ckpt, rt, fsdp, compile, dynamic=True, dropout=dropout)
+    else:  # on the device: sharded, compiled, in DDP as configured
+        train_model, ckpt = start_model(init_from, rt, fsdp, compile, dynamic=True, dropout=dropout)
+    model = raw_model(train_model)
     meta = ckpt["meta"] if ckpt is not None else None
     tokenizer = load_tokenizer(meta, init_from)
     print0(f"{model.num_params() / 1e6:.1f}M parameters from {init_from}")
@@ -259,7 +261,6 @@ if __name__ == "__main__":
 
     step = ckpt["step"] if resuming else 0  # optimizer steps done
     elapsed = ckpt["elapsed"] if resuming else 0.0
-    train_model = wrap_model(model, rt, fsdp, compile, dynamic=True)  # fsdp shards `model` in place
     if not eval_only:
         opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr)
         if resuming:
@@ -289,9 +290,8 @@ if __name__ == "__main__":
     def evaluate():
         """greedy predictions of all test examples, spread over the ranks; rank 0 scores, writes them"""
         model.eval()
-        generator = unsharded_copy(model) if fsdp else model
-        predictions = generate_predictions(generator, test_examples, tokenizer, eval_batch_size, max_new_tokens,
-                                           rt.device, rt.autocast, rt.rank, rt.world_size)
+        predictions = generate_predictions(model, test_examples, tokenizer, eval_batch_size, max_new_tokens,
+                                           rt.device, rt.autocast, rt.rank, rt.world_size, all_steps=fsdp)
         model.train()
         if rt.ddp:
             shards = [None] * rt.world_size

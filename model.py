@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 class UserError(Exception):
     """Bad input from the user: the message is one line saying what is wrong and how to fix it."""
@@ -127,17 +128,16 @@ class Attention(nn.Module):
     def split_heads(self, t):  # (B, T, nh * hs) -> (B, nh, T, hs)
         return t.view(t.size(0), t.size(1), -1, self.d_kv).transpose(1, 2)
 
+    def kv(self, source):  # the keys and values of source (B, T, d_model): (B, nh, T, hs) each
+        return self.split_heads(self.k(source)), self.split_heads(self.v(source))
+
     def forward(self, x, mask, kv=None, pos=None):
         """x (B, T, d_model) attends, mask (the position bias, -large where not allowed) added to its
         scores, in one of three modes: self-attention over x; cross-attention over kv, the keys and
-        values of the encoder's output (Decoder.encoder_kv); or, decoding, self-attention of x at
-        positions pos over the kv_cache."""
+        values of the encoder's output; or, decoding, self-attention of x at positions pos over the
+        kv_cache."""
         q = self.split_heads(self.q(x))
-        if kv is not None:  # cross-attention
-            k, v = kv
-        else:  # self-attention
-            k = self.split_heads(self.k(x))
-            v = self.split_heads(self.v(x))
+        k, v = self.kv(x) if kv is None else kv  # self-attention, or cross-attention
         if pos is not None:  # decoding: this step's k, v join the cache; q attends over all steps
             k, v = self.kv_cache.update(pos, k, v)
         dropout = self.dropout if self.training else 0.0
@@ -180,10 +180,20 @@ class DecoderBlock(nn.Module):
         self.ff = GatedGELU(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, self_mask, cross_mask, encoder_kv, pos=None):
-        """encoder_kv: this layer's cross-attention k, v of the encoder's output (Decoder.encoder_kv)"""
+    def encoder_kv(self, encoder_out):
+        """Cross-attention's keys and values of the encoder's output, (B, nh, S, hs) each. They depend
+        on the input alone, so generate() computes them once for all its steps."""
+        k, v = self.cross_attn.kv(encoder_out)
+        if encoder_out.device.type == "cpu":  # the CPU attention kernel reads strided k, v slower
+            k, v = k.contiguous(), v.contiguous()
+        return k, v
+
+    def forward(self, x, self_mask, cross_mask, encoder_out, pos=None):
+        """encoder_out: the encoder's output, which cross-attention reads; or, decoding, this layer's
+        encoder_kv() of it, computed once"""
         x = x + self.dropout(self.self_attn(self.ln_1(x), self_mask, pos=pos))
-        x = x + self.dropout(self.cross_attn(self.ln_2(x), cross_mask, kv=encoder_kv))
+        kv = self.cross_attn.kv(encoder_out) if pos is None else encoder_out
+        x = x + self.dropout(self.cross_attn(self.ln_2(x), cross_mask, kv=kv))
         return x + self.dropout(self.ff(self.ln_3(x)))
 
 def padding_mask(attention_mask, dtype):
@@ -200,6 +210,14 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList([block(config, i == 0) for i in range(num_layers)])
         self.ln_f = RMSNorm(config.d_model, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
+        self.activation_checkpointing = False  # set by runtime.wrap_model
+
+    def run(self, block, *args):
+        """block(*args); with activation checkpointing, while training, keeping only the block's
+        inputs for backward, which runs the block again to get the rest"""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
 
 class Encoder(Stack):
     def forward(self, x, attention_mask, dtype):  # x: the token embeddings (B, S, d_model)
@@ -209,24 +227,16 @@ class Encoder(Stack):
             mask = mask + padding_mask(attention_mask, dtype)  # (B, nh, S, S)
         x = self.dropout(x)
         for block in self.blocks:
-            x = block(x, mask)
+            x = self.run(block, x, mask)
         return self.dropout(self.ln_f(x))
 
 class Decoder(Stack):
-    def encoder_kv(self, encoder_out):
-        """Cross-attention's keys and values: each layer's k and v of the encoder's output, (B, nh, S,
-        hs) each. They depend on the input alone, so generate() computes them once for all its steps."""
-        kv = []
-        for block in self.blocks:
-            k = block.cross_attn.split_heads(block.cross_attn.k(encoder_out))
-            v = block.cross_attn.split_heads(block.cross_attn.v(encoder_out))
-            if encoder_out.device.type == "cpu":  # the CPU attention kernel reads strided k, v slower
-                k, v = k.contiguous(), v.contiguous()
-            kv.append((k, v))
-        return kv
+    def encoder_kv(self, encoder_out):  # each layer's cross-attention k, v, for generate()
+        return [block.encoder_kv(encoder_out) for block in self.blocks]
 
-    def forward(self, x, encoder_kv, cross_mask, decoder_attention_mask, dtype, pos=None):
-        """x: token embeddings (B, T, d_model). pos: decoding, x's positions (T,) in kv_cache."""
+    def forward(self, x, encoder_out, cross_mask, decoder_attention_mask, dtype, pos=None):
+        """x: token embeddings (B, T, d_model). Decoding: pos, x's positions (T,) in kv_cache, and
+        encoder_out each layer's k, v of it (encoder_kv)."""
         if pos is None:  # training: each position attends to itself and the ones before it
             query_positions = key_positions = torch.arange(x.size(1), device=x.device)
         else:  # decoding: the cache's later positions, not written yet, are the future, masked too
@@ -239,8 +249,8 @@ class Decoder(Stack):
             padded = decoder_attention_mask[:, None, None, :] == 0
             mask = mask.masked_fill(padded, torch.finfo(dtype).min)  # (B, nh, T, Tk)
         x = self.dropout(x)
-        for block, kv in zip(self.blocks, encoder_kv):
-            x = block(x, mask, cross_mask, kv, pos)
+        for i, block in enumerate(self.blocks):
+            x = self.run(block, x, mask, cross_mask, encoder_out if pos is None else encoder_out[i], pos)
         return self.dropout(self.ln_f(x))
 
 def check_ids(**tensors):
@@ -270,26 +280,32 @@ class T5(nn.Module):
         self.encoder = Encoder(config, EncoderBlock, config.num_layers)
         self.decoder = Decoder(config, DecoderBlock, config.num_decoder_layers)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.shared.weight
+        self.tie_weights()
         self.init_weights()
 
-    @torch.no_grad()
+    def tie_weights(self):  # the original T5's output head is its embedding; v1.1 unties them
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.shared.weight
+
     def init_weights(self):
+        for name, p in self.named_parameters():  # a tied lm_head is shared.weight, initialised once
+            self.init_parameter(name, p)
+
+    @torch.no_grad()
+    def init_parameter(self, name, p):
         """Mesh-TensorFlow's init: matrices N(0, 1/fan_in), q also taking the 1/sqrt(d_kv) that
         attention leaves out; embeddings N(0, 1); an untied lm_head t5x's d_model**-0.5, not HF's 1.0
         (which starts at a loss > 100)."""
         c = self.config
-        for name, p in self.named_parameters():  # a tied lm_head is shared.weight, initialised once
-            if p.dim() == 1:  # RMSNorm
-                nn.init.ones_(p)
-            elif name == 'shared.weight':
-                nn.init.normal_(p, std=1.0)
-            elif name.endswith('relative_attention_bias.weight'):
-                nn.init.normal_(p, std=c.d_model ** -0.5)
-            else:  # a matrix (out, in), lm_head included
-                fan_in = p.size(1) * (c.d_kv if name.endswith('.q.weight') else 1)
-                nn.init.normal_(p, std=fan_in ** -0.5)
+        if p.dim() == 1:  # RMSNorm
+            nn.init.ones_(p)
+        elif name == 'shared.weight':
+            nn.init.normal_(p, std=1.0)
+        elif name.endswith('relative_attention_bias.weight'):
+            nn.init.normal_(p, std=c.d_model ** -0.5)
+        else:  # a matrix (out, in), lm_head included
+            fan_in = p.size(1) * (c.d_kv if name.endswith('.q.weight') else 1)
+            nn.init.normal_(p, std=fan_in ** -0.5)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied lm_head once
@@ -311,10 +327,9 @@ class T5(nn.Module):
                   decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_attention_mask)
         dtype = self.compute_dtype(input_ids.device)
         encoder_out = self.encoder(self.shared(input_ids), attention_mask, dtype)
-        encoder_kv = self.decoder.encoder_kv(encoder_out)
         cross_mask = padding_mask(attention_mask, dtype)
         decoder_in = self.shared(decoder_input_ids)
-        x = self.decoder(decoder_in, encoder_kv, cross_mask, decoder_attention_mask, dtype)
+        x = self.decoder(decoder_in, encoder_out, cross_mask, decoder_attention_mask, dtype)
         logits = self.lm_head(x * self.config.output_scaling)
         if labels is None:
             return logits, None
@@ -336,10 +351,11 @@ class T5(nn.Module):
 
     @torch.no_grad()  # not inference_mode, under which autocast re-casts every weight at every step
     def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0, top_k=None,
-                 compile=False):
+                 compile=False, all_steps=False):
         """Up to max_new_tokens ids per row, no start token, pad after EOS: greedy at temperature 0,
         else sampled from the top_k likeliest. The encoder and cross-attention's k, v run once;
-        compile=True compiles decode_step."""
+        compile=True compiles decode_step; all_steps runs max_new_tokens steps even once every row
+        has finished (under FSDP every rank must run each block as often)."""
         check_ids(input_ids=input_ids, attention_mask=attention_mask)
         c = self.config
         B = input_ids.size(0)
@@ -365,7 +381,7 @@ class T5(nn.Module):
                 token = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
             out[:, i] = token.masked_fill_(finished[:, None], c.pad_token_id)[:, 0]
             finished |= token[:, 0] == c.eos_token_id
-            if finished.all():
+            if finished.all() and not all_steps:
                 break
             pos += 1
         for block in self.decoder.blocks:  # the caches hold only this call's tokens: free them

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from files import UserError, atomic_write, reading, write_error
-from model import T5
 
 # device, dtype, DDP and MFU
 
@@ -163,10 +162,11 @@ def raw_model(model):
     return getattr(model, "_orig_mod", model)
 
 def shard_model(model, rt):
-    """FSDP2 on the T5 in place: each block is a group, gathered just before it runs, and the rest another.
-    Weights read outside their module (relative_attention_bias; cross-attention's k and v, which
-    Decoder.encoder_kv projects first) stay out of the blocks' groups. Under bf16 the blocks gather in bf16;
-    gradient reductions and the residual stream stay fp32."""
+    """FSDP2 on the T5 in place, one group for each part that runs as one, gathered just before it runs:
+    each relative_attention_bias table (read before the blocks run); each block, cross-attention's k, v
+    included, 2 all-gathers a step (forward, backward); the embedding, in fp32 as its output starts the
+    residual stream; and the root: lm_head and the final norms. Under bf16 all but the first and the
+    embedding gather in bf16; gradient reductions stay fp32. generate() runs through FSDP's hooks too."""
     mesh = init_device_mesh(rt.device_type, (rt.world_size,))
     policy = MixedPrecisionPolicy()
     if rt.dtype == "bfloat16":
@@ -175,45 +175,65 @@ def shard_model(model, rt):
     for name, module in model.named_modules():
         if name.endswith("relative_attention_bias"):
             fully_shard(module, mesh=mesh)
-    for block in model.encoder.blocks:
+    for block in [*model.encoder.blocks, *model.decoder.blocks]:
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    for block in model.decoder.blocks:
-        modules = [m for name, m in block.named_children() if name != "cross_attn"]
-        fully_shard(modules + [block.cross_attn.q, block.cross_attn.o], mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh)
+    for block in model.decoder.blocks:  # generate() computes the encoder's k, v outside forward()
+        register_fsdp_forward_method(block, "encoder_kv")
+    if not model.config.tie_word_embeddings:  # tied, shared.weight is lm_head's, in the root group
+        # gathered once a step: forward looks up both the encoder's and the decoder's tokens
+        fully_shard(model.shared, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    register_fsdp_forward_method(model, "generate")
 
-def wrap_model(model, rt, fsdp=False, compile=False, dynamic=None):
-    """the model on the device, sharded, compiled or in DDP as asked; the optimizer takes raw_model"""
-    if fsdp:
-        shard_model(model, rt)  # each rank moves only its own slices to the device
-    else:
+@torch.no_grad()
+def init_shards(model):
+    """each rank's slices of the weights one process would draw: each tensor drawn whole on the host,
+    from the same seed and in the same order, then sliced; never more than one tensor whole"""
+    for name, p in model.named_parameters():
+        whole = torch.empty(p.shape)
+        model.init_parameter(name, whole)
+        mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(mine.to_local())
+
+def wrap_model(model, rt, fsdp=False, compile=False, dynamic=None, activation_checkpointing=False,
+               init=False):
+    """The model on the device: sharded, compiled or in DDP as asked; the optimizer takes raw_model.
+    init: the model comes on the meta device, and its weights are drawn here, on the host, the same
+    with FSDP or without. Under FSDP (on the meta device, init or not) each rank materialises only its
+    own shards, and torch.compile compiles each block, as torchtitan does, so that FSDP's hooks
+    between the blocks stay out of the graphs."""
+    model.encoder.activation_checkpointing = activation_checkpointing
+    model.decoder.activation_checkpointing = activation_checkpointing
+    if not fsdp:
+        if init:
+            model.to_empty(device="cpu")
+            model.tie_weights()
+            model.init_weights()
         model.to(rt.device)
+        if compile:
+            model = torch.compile(model, dynamic=dynamic)
+        if rt.ddp:
+            model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
+        return model
     if compile:
-        model = torch.compile(model, dynamic=dynamic)
-    if rt.ddp and not fsdp:
-        model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
+        for block in [*model.encoder.blocks, *model.decoder.blocks]:
+            block.compile(dynamic=dynamic)
+    shard_model(model, rt)
+    model.to_empty(device=rt.device)
+    if init:
+        init_shards(model)
     return model
 
 def set_gradient_sync(model, sync):
-    """whether the next backward all-reduces (DDP) or reduce-scatters (FSDP) the gradients"""
+    """DDP: whether the next backward all-reduces the gradients. (FSDP reduce-scatters them at every
+    backward, so that no rank ever holds whole gradients.)"""
     if isinstance(model, DDP):
         model.require_backward_grad_sync = sync
-    elif isinstance(raw_model(model), FSDPModule):
-        raw_model(model).set_requires_gradient_sync(sync)
 
 def state_bytes(model, optimizer):
     tensors = [*raw_model(model).parameters(),
                *(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
     return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
-
-def unsharded_copy(model):
-    """a whole copy of an FSDP-sharded T5, for generate(), which reads weights outside forward()"""
-    t5 = raw_model(model)
-    state = {name: t.full_tensor() for name, t in t5.state_dict().items()}
-    with torch.device("meta"):  # no weights made to be overwritten
-        copy = T5(t5.config)
-    copy.load_state_dict(state, assign=True)
-    return copy.train(t5.training)
 
 # the loop's log and its agreement
 

@@ -294,7 +294,7 @@ def test_predictions_are_decoded_as_tk_instruct_decodes_them(ckpt_path):
     class Generator:
         config = T5Config(eos_token_id=eos, pad_token_id=tokenizer.pad_id)
 
-        def generate(self, input_ids, attention_mask, max_new_tokens):
+        def generate(self, input_ids, attention_mask, max_new_tokens, all_steps=False):
             return torch.tensor([[sentinel, *words, unk, sentinel - 1, eos, *words]] * len(input_ids))
 
     examples = [dict(input_ids=[5, 6, eos], labels=[eos]), dict(input_ids=[7, eos], labels=[eos])]

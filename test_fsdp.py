@@ -1,10 +1,14 @@
 """
 FSDP (train.py --fsdp=True) on 2 CPU ranks over gloo, run as a user runs it: the same losses as one process for
-both optimizers, half the state per rank, exact kill-and-resume from sharded checkpoints, and a sharded checkpoint
-read back in one process and exported to Hugging Face's format.
+both optimizers, with accumulation, activation checkpointing and torch.compile; half the state per rank, and never a
+whole model on a rank (peak memory of a 201M-parameter T5); each block gathered twice a step; generation through
+FSDP's hooks; exact kill-and-resume from sharded checkpoints, and a sharded checkpoint read back in one process and
+exported to Hugging Face's format.
 """
 import glob
+import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -13,8 +17,9 @@ import time
 import pytest
 import torch
 
-from model import T5
 from checkpoint import load_checkpoint
+from model import T5
+from prepare import prepare
 from test_finetune import sni_dir  # noqa: F401 (a fixture)
 from test_train import TINY, data_dir, read_log, run, start_until_step  # noqa: F401 (data_dir is a fixture)
 
@@ -154,3 +159,176 @@ def test_sample_reads_a_sharded_checkpoint(runs):
     ids = encode(tok, text)
     fill = t5.generate(torch.tensor([ids]), max_new_tokens=8)[0].tolist()
     assert f"model: {fill_in(tok, tok.decode(ids), fill)}\n" in r.stdout
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# FSDP's groups, precision and activation checkpointing, in-process on 2 gloo ranks
+
+GROUPS_SCRIPT = """
+import collections, json, sys
+sys.path.insert(0, {repo!r})
+import torch
+from model import T5, T5Config
+from optim import AdamWScale, train_step
+from runtime import Runtime, setup_runtime, wrap_model
+
+setup_runtime("cpu", "float32", seed=0)  # joins the process group
+rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+config = T5Config(vocab_size=256, d_model=64, d_ff=128, num_heads=2, d_kv=32, num_layers=3, num_decoder_layers=3)
+gathers = collections.Counter()  # all-gathers by the size of this rank's input: one size per group
+all_gather_single = torch.distributed.all_gather_single
+def counted(output, input, *args, **kwargs):
+    gathers[input.numel()] += 1
+    return all_gather_single(output, input, *args, **kwargs)
+torch.distributed.all_gather_single = counted
+generator = torch.Generator().manual_seed(1)
+batch = dict(input_ids=torch.randint(2, 256, (4, 16), generator=generator),
+             labels=torch.randint(2, 256, (4, 6), generator=generator))
+mine = {{key: t.chunk(world)[rank] for key, t in batch.items()}}
+
+def losses(dtype, fsdp, activation_checkpointing, steps=3):
+    rt = Runtime("cpu", "cpu", dtype, fsdp, rank, rank, world)  # dtype as given: bf16 on any CPU
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        t5 = T5(config)
+    model = wrap_model(t5, rt, fsdp, activation_checkpointing=activation_checkpointing, init=True)
+    opt = AdamWScale(model.parameters(), lr=1e-2)
+    gathers.clear()
+    out = []
+    for _ in range(steps):
+        loss, _ = train_step(model, opt, [mine if fsdp else batch], 1e-2, 1.0, 0.0, rt.autocast, fsdp)
+        if fsdp:  # the mean over the ranks' halves of the batch
+            torch.distributed.all_reduce(loss)
+            loss /= world
+        out.append(loss.item())
+    counts = dict(gathers)
+    block = lambda b: sum(p.to_local().numel() for n, p in b.named_parameters() if "relative" not in n)
+    sizes = dict(encoder_block=block(t5.encoder.blocks[1]), decoder_block=block(t5.decoder.blocks[1]),
+                 shared=t5.shared.weight.to_local().numel()) if fsdp else {{}}
+    with torch.no_grad(), rt.autocast():
+        fills = t5.generate(mine["input_ids"], max_new_tokens=4, all_steps=fsdp).tolist()
+    return dict(losses=out, gathers=counts, sizes=sizes, fills=fills)
+
+results = {{f"{{dtype}} {{fsdp}} {{ac}}": losses(dtype, fsdp, ac) for dtype in ("float32", "bfloat16")
+           for fsdp in (False, True) for ac in (False, True)}}
+if rank == 0:
+    print(json.dumps(results))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    script = tmp_path_factory.mktemp("groups") / "groups.py"
+    script.write_text(GROUPS_SCRIPT.format(repo=os.path.dirname(os.path.abspath(__file__))))
+    r = run([*TORCHRUN, str(script)])
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp_and_activation_checkpointing_keep_one_process_losses(groups, dtype):
+    one = groups[f"{dtype} False False"]["losses"]
+    tolerance = 1e-5 if dtype == "float32" else 5e-3  # bf16: FSDP gathers the blocks' weights in bf16
+    for fsdp, ac in ((False, True), (True, False), (True, True)):
+        assert groups[f"{dtype} {fsdp} {ac}"]["losses"] == pytest.approx(one, rel=tolerance), (fsdp, ac)
+
+
+@pytest.mark.parametrize("ac", [False, True])
+def test_each_block_is_gathered_once_in_forward_and_once_in_backward(groups, ac):
+    run = groups[f"float32 True {ac}"]
+    sizes, gathers = run["sizes"], run["gathers"]
+    steps, layers = 3, 3
+    assert sizes["encoder_block"] != sizes["decoder_block"]
+    assert gathers[str(sizes["encoder_block"])] == 2 * layers * steps
+    assert gathers[str(sizes["decoder_block"])] == 2 * layers * steps
+    assert gathers[str(sizes["shared"])] == steps  # the embedding stays gathered from forward to backward
+
+
+def test_fsdp_generates_through_its_hooks(groups):
+    # generate() on the sharded model, every rank running all its steps, gives one process's tokens for this rank's
+    # rows, in fp32 and bf16
+    for dtype in ("float32", "bfloat16"):
+        one, fsdp = groups[f"{dtype} False False"]["fills"], groups[f"{dtype} True False"]["fills"]
+        assert fsdp == one[:len(fsdp)]
+
+
+def test_compiled_fsdp_with_accumulation_and_checkpointing_matches_one_process(runs, data_dir, tmp_path):  # noqa: F811
+    """torch.compile per block under FSDP, 2 micro-steps a step and activation checkpointing: the losses of one
+    process (2 micro-steps, eager, no checkpointing)"""
+    out_dir = str(tmp_path / "compiled")
+    r = run([*TORCHRUN, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--fsdp=True",
+             "--max_steps=3", "--grad_accum_steps=2", "--activation_checkpointing=True", "--compile=True"])
+    assert r.returncode == 0, r.stderr
+    one, compiled = read_log(runs["adamwscale", "one"][0]), read_log(out_dir)
+    assert compiled.keys() == {1, 2, 3}
+    for step in compiled:
+        assert compiled[step] == pytest.approx(one[step], rel=1e-4), step
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# peak memory per rank of a 201M-parameter T5 (t5-v1_1-base's shapes, a vocab of 2,048): never the whole model
+
+PEAK = """
+import atexit, os, runpy, sys
+peak_file = f"{{sys.argv[0]}}.{{os.environ.get('RANK', '0')}}.peak"
+def report():  # this process's peak resident memory, KiB
+    with open("/proc/self/status") as f:
+        peak = next(line for line in f if line.startswith("VmHWM")).split()[1]
+    with open(peak_file, "w") as f:
+        f.write(peak)
+atexit.register(report)
+sys.argv = [os.path.join({repo!r}, "train.py"), *sys.argv[1:]]
+sys.path.insert(0, {repo!r})
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def peaks(tmp_path_factory):
+    """Peak resident memory (MiB) per rank, less the same command's with t5-mini (imports, data and gloo cancel
+    out): one process and 2 FSDP ranks for a step of 2 micro-steps followed by an evaluation; the FSDP ranks again
+    resuming from that step's checkpoint"""
+    root = tmp_path_factory.mktemp("peaks")
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9))) for _ in range(3000)]
+    with open(root / "corpus.jsonl", "w") as f:
+        for _ in range(3000):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(60))}) + "\n")
+    data = str(root / "data")
+    prepare(dataset=str(root / "corpus.jsonl"), tokenizer="train", out_dir=data, vocab_size=1900)
+    common = ["config/t5_tiny.py", "--device=cpu", "--dtype=float32", "--compile=False", "--input_length=64",
+              "--batch_size=4", "--grad_accum_steps=2", "--optimizer=adafactor", "--eval_steps=1", "--warmup_steps=1",
+              "--log_interval=1",
+              f"--data_dir={data}", "--checkpoint_interval=1", "--eval_interval=1"]
+    env = dict(MALLOC_MMAP_THRESHOLD_="65536")  # glibc gives freed blocks back: the peak is of live memory
+    out = {}
+    for model in ("t5-v1_1-base", "t5-mini"):
+        for name, launch in (("one", []), ("fsdp", [*TORCHRUN])):
+            out_dir = str(root / f"{model}-{name}")
+            for case, extra in (("step", ["--max_steps=1"]), ("resume", ["--max_steps=2", "--init_from=resume"])):
+                if case == "resume" and not launch:
+                    continue  # the reference is one process's step: its resume holds its checkpoint's copy too
+                script = root / f"{model}-{name}-{case}.py"
+                script.write_text(PEAK.format(repo=os.path.dirname(os.path.abspath(__file__))))
+                fsdp = ["--fsdp=True"] if launch else []
+                r = run([*launch, str(script), *common, f"--model={model}", f"--out_dir={out_dir}", *fsdp, *extra],
+                        env_extra=env)
+                assert r.returncode == 0, r.stderr
+                out[model, name, case] = [int((root / f"{script.name}.{rank}.peak").read_text()) / 1024
+                                          for rank in range(2 if launch else 1)]
+    print("peak MiB per rank:", out)  # pytest -s shows them
+    return out
+
+
+@pytest.mark.parametrize("case", ["step", "resume"])
+def test_no_fsdp_rank_holds_the_whole_model(peaks, case):
+    """One process holds the weights and their gradients, 8 bytes per parameter (Adafactor's factored moments are
+    small); each of 2 FSDP ranks half of that, plus gathered blocks and activations, whatever it does: a step of 2
+    micro-steps and an evaluation, or a resume. Whole weights on a rank (an unsharded copy to generate with, whole
+    gradients while accumulating, a whole checkpoint read to resume) would each add 768 MiB."""
+    parameters = 201.4e6
+    one = peaks["t5-v1_1-base", "one", "step"][0] - peaks["t5-mini", "one", "step"][0]
+    assert 8 * parameters / 2**20 < one < 9 * parameters / 2**20
+    for base, mini in zip(peaks["t5-v1_1-base", "fsdp", case], peaks["t5-mini", "fsdp", case]):
+        assert base - mini < one / 2 + 250  # MiB: 2 gathered blocks and their gradients, 144 MiB in fp32

@@ -319,3 +319,28 @@ def test_compiled_decode_step_generates_the_same_tokens():
     prompts, attention_mask, _ = padded_batch(seed=10, B=3, S=12)
     eager = ours.generate(prompts, attention_mask, max_new_tokens=6)
     assert torch.equal(ours.generate(prompts, attention_mask, max_new_tokens=6, compile=True), eager)
+
+
+def test_activation_checkpointing_keeps_only_each_blocks_input():
+    """With activation checkpointing an encoder layer leaves backward only its input, the fp32 residual stream: 4
+    bytes per value, 4 * B * S * d_model, where without it each layer keeps its q, k, v, norms and feed-forward"""
+    def saved_bytes(num_layers, checkpointing):
+        torch.manual_seed(0)
+        model = T5(T5Config(**{**SMALL, "num_layers": num_layers}))
+        model.encoder.activation_checkpointing = model.decoder.activation_checkpointing = checkpointing
+        storages = {}
+
+        def pack(t):
+            if not (t.requires_grad and t.is_leaf):  # an activation, not a weight
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        input_ids, labels = torch.randint(2, 100, (2, 12)), torch.randint(2, 100, (2, 5))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits, loss = model(input_ids, labels=labels)
+        loss.backward()  # and the gradients are still there: backward runs the blocks again
+        return sum(storages.values()), model.shared.weight.grad
+    layer_plain = saved_bytes(3, False)[0] - saved_bytes(2, False)[0]
+    layer_checkpointed = saved_bytes(3, True)[0] - saved_bytes(2, True)[0]
+    assert layer_checkpointed == 4 * 2 * 12 * SMALL["d_model"]
+    assert layer_plain > 10 * layer_checkpointed
+    torch.testing.assert_close(saved_bytes(3, True)[1], saved_bytes(3, False)[1])

@@ -12,16 +12,15 @@ import time
 import torch
 
 from checkpoint import (check_init_from, check_resume, checkpoint_state, claim_out_dir, load_checkpoint,
-                        load_model, restore_state, save_checkpoint)
+                        restore_state, save_checkpoint, start_model)
 from data import (Prefetcher, SpanCorruptionBatches, micro_batch_size, show_fill, shown_length,
                   span_accuracy, unigram_baseline)
 from files import UserError
-from model import T5, T5Config
+from model import T5Config
 from optim import LR_SCHEDULES, check_optimizer, get_lr, make_optimizer, param_groups, train_step
 from prepare import MAX_VOCAB_SIZE, load_meta, load_tokenizer, prepare
 from runtime import (DTYPES, Logger, Sync, check_device, check_fsdp, check_wandb, flops_per_step,
-                     memory_report, mfu, print0, raw_model, setup_runtime, state_bytes, unsharded_copy,
-                     wrap_model)
+                     memory_report, mfu, print0, raw_model, setup_runtime, state_bytes)
 
 # -------------------------------------------------------------------------------------------------
 # default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override it,
@@ -77,14 +76,16 @@ valid.update(eval_interval="> 0", eval_steps="> 0", log_interval="> 0", checkpoi
 device = "auto"  # cuda > mps > cpu
 dtype = "bfloat16"
 compile = True
+activation_checkpointing = False  # keep only each block's input for backward, which runs it again
 fsdp = False  # under torchrun: shard weights, gradients and optimizer state (FSDP2) instead of DDP
 seed = 1337
 peak_flops = 0.0  # dense peak FLOP/s of one GPU, for MFU; 0 -> runtime.PEAK_FLOPS
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "t5"
-valid.update(device=check_device, dtype=DTYPES, compile="any", fsdp=check_fsdp, seed=">= 0",
-             peak_flops=">= 0", wandb_log=check_wandb, wandb_project="non-empty", wandb_run_name="any")
+valid.update(device=check_device, dtype=DTYPES, compile="any", activation_checkpointing="any",
+             fsdp=check_fsdp, seed=">= 0", peak_flops=">= 0", wandb_log=check_wandb,
+             wandb_project="non-empty", wandb_run_name="any")
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # -------------------------------------------------------------------------------------------------
 
@@ -117,7 +118,7 @@ out_dir_lock = claim_out_dir(out_dir, rt, fresh=init_from != "resume")  # held t
 
 # the model: from scratch, from this run's checkpoint, or from other weights (a run's, or HF's)
 ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a folder of shards
-ckpt = load_checkpoint(ckpt_path, program="train.py") if init_from == "resume" else None
+ckpt = load_checkpoint(ckpt_path, program="train.py", weights=not fsdp) if init_from == "resume" else None
 if ckpt is not None:
     check_resume(ckpt, ckpt_path, config, meta, fixed=("model", "dropout", "optimizer"))
     if ckpt["step"] >= max_steps:
@@ -126,15 +127,16 @@ if ckpt is not None:
     if 0 < time_budget_hours * 3600 <= ckpt["elapsed"]:
         raise UserError(f"{ckpt_path} has spent its time budget, {ckpt['elapsed'] / 3600:.2f} h of "
                         f"time_budget_hours={time_budget_hours}: raise --time_budget_hours to train on")
-    t5 = T5.from_checkpoint(ckpt)
+    weights = ckpt
 elif init_from == "scratch":
-    t5 = T5(T5Config.from_preset(model, vocab_size=meta["model_vocab_size"], dropout=dropout))
-else:  # dropout: Hugging Face's configs say 0.1, the fine-tuning value
-    t5, weights = load_model(init_from, dropout=dropout)
-    if weights is not None:
-        print0(f"a new run from the weights of {init_from} (--init_from=resume continues a run)")
-print0(f"{t5.num_params() / 1e6:.1f}M parameters")
-t5 = wrap_model(t5, rt, fsdp, compile)  # on the device: sharded, compiled, in DDP as configured
+    weights = T5Config.from_preset(model, vocab_size=meta["model_vocab_size"], dropout=dropout)
+else:
+    weights = init_from
+    print0(f"a new run from the weights of {init_from} (--init_from=resume continues a run)")
+# on the device: sharded, compiled, in DDP as configured; dropout ours (Hugging Face's configs say 0.1)
+t5, _ = start_model(weights, rt, fsdp, compile, activation_checkpointing=activation_checkpointing,
+                    dropout=dropout)
+print0(f"{raw_model(t5).num_params() / 1e6:.1f}M parameters")
 opt = make_optimizer(optimizer, param_groups(raw_model(t5), weight_decay), lr)
 step = ckpt["step"] if ckpt is not None else 0  # optimizer steps done
 elapsed = ckpt["elapsed"] if ckpt is not None else 0.0  # training seconds over resumes, for the budget
@@ -180,9 +182,8 @@ def evaluate():
             totals += torch.stack([loss.float(), accuracy, spans_right, spans])
     if rt.ddp:
         torch.distributed.all_reduce(totals)  # gloo has no AVG: sum, then divide by the ranks too
-    with rt.autocast():  # every rank decodes (FSDP needs all ranks), rank 0 shows
-        generator = unsharded_copy(t5) if fsdp else raw_model(t5)
-        fills = generator.generate(demo_inputs, max_new_tokens=demo_tokens)
+    with rt.autocast():  # every rank decodes all steps (FSDP gathers each block on all ranks), rank 0 shows
+        fills = raw_model(t5).generate(demo_inputs, max_new_tokens=demo_tokens, all_steps=fsdp)
     t5.train()
     examples = [show_fill(tok, *ids) for ids in zip(demo_inputs.cpu(), fills.cpu(), demo_labels.cpu())]
     val_loss, val_acc = (totals[:2] / (eval_steps * grad_accum_steps * rt.world_size)).tolist()
