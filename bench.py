@@ -9,7 +9,7 @@ and, in the same process on the same weights, what one would otherwise use.
     python bench.py --part=optim                  # AdamWScale against torch.optim.AdamW(foreach=True)
     python bench.py --part=data --data_dir=data/pydoc  # one span-corrupted batch, as the loader does
 """
-import configurator  # first: from here on an error, or Ctrl-C, is one line, not a traceback
+import errors  # first: from here on an error, or Ctrl-C, is one line, not a traceback
 import copy
 import gc
 import itertools

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from files import UserError, atomic_write, reading, write_error, write_failure
 from model import T5, T5Config
+from prepare import load_meta, prepare
 from runtime import print0, rank, raw_model, require, wrap_model
 
 # what a run writes in its out_dir: the checkpoint (one file, or FSDP's folder of shards, or what a run
@@ -81,6 +82,50 @@ def check_resume(ckpt, path, config, meta, fixed):
     changed = ", ".join(differences.values())
     changed = f"; changed on resume: {changed}" if changed else ""
     print0(f"resuming from {path} at step {ckpt['step']}{changed}")
+
+# what train.py checks as it starts, before any work
+
+def open_data_dir(config, given_at, rt):
+    """train.py's prepared folder's meta.json; pydoc, offline, is prepared there on first use. Keys
+    given with data_dir or after it (given_at: each key's place in argv) describe that folder, and
+    must be what it was made with; keys given before a later --data_dir described the folder that it
+    replaced (config/t5_tiny.py's dataset under --data_dir=mine)."""
+    data_dir = config["data_dir"]
+    if config["dataset"] == "pydoc" and not os.path.exists(os.path.join(data_dir, "meta.json")):
+        if rt.master:
+            print0(f"{data_dir} has no data yet: preparing the 'pydoc' corpus there (runs once)")
+            prepare(dataset="pydoc", tokenizer=config["tokenizer"], out_dir=data_dir,
+                    vocab_size=config["vocab_size"])
+        barrier()
+    meta = load_meta(data_dir)
+    made_with = meta["settings"]
+    described = [key for key in ("dataset", "tokenizer", "vocab_size")
+                 if given_at.get(key, -1) >= given_at.get("data_dir", 0)]
+    contradicted = [f"{key} {made_with[key]!r}, not {config[key]!r}" for key in described
+                    if made_with[key] not in (None, config[key])]
+    if contradicted:
+        raise UserError(f"{data_dir} was prepared with {', '.join(contradicted)}: set those to the folder's "
+                        f"values, or give another --data_dir")
+    return meta
+
+OUT_DIR_LOCKS = []  # held while the process lives: the OS drops them however it ends
+
+def open_out_dir(ckpt_path, config, meta, rt):
+    """train.py's out_dir, claimed (claim_out_dir); and the checkpoint --init_from=resume continues, of
+    this run's model, optimizer and data (check_resume), with steps and time left; None for a new run"""
+    resume = config["init_from"] == "resume"
+    OUT_DIR_LOCKS.append(claim_out_dir(config["out_dir"], rt, fresh=not resume))
+    if not resume:
+        return None
+    ckpt = load_checkpoint(ckpt_path, program="train.py", weights=not config["fsdp"])
+    check_resume(ckpt, ckpt_path, config, meta, fixed=("model", "dropout", "optimizer"))
+    if ckpt["step"] >= config["max_steps"]:
+        raise UserError(f"{ckpt_path} is at step {ckpt['step']} of max_steps={config['max_steps']}: nothing "
+                        f"is left to train; raise --max_steps to train on")
+    if 0 < config["time_budget_hours"] * 3600 <= ckpt["elapsed"]:
+        raise UserError(f"{ckpt_path} has spent its time budget, {ckpt['elapsed'] / 3600:.2f} h of "
+                        f"time_budget_hours={config['time_budget_hours']}: raise --time_budget_hours to train on")
+    return ckpt
 
 # checkpoints
 
@@ -187,8 +232,11 @@ def checkpoint_state(model, optimizer, step, elapsed, config, meta=None, program
             "meta": meta, "rng": rng}
 
 def restore_state(ckpt, model, optimizer):
-    """A resumed run's optimizer state and RNG. From shards each rank reads its slices, for any
-    number of ranks; with more ranks than wrote them, the RNG states repeat."""
+    """A resumed run's optimizer state and RNG, and (its steps done, its training seconds); (0, 0.0)
+    for a new run, ckpt None. From shards each rank reads its slices, for any number of ranks; with
+    more ranks than wrote them, the RNG states repeat."""
+    if ckpt is None:
+        return 0, 0.0
     if "shards" in ckpt:
         t5 = raw_model(model)
         state = {"optimizer": get_optimizer_state_dict(t5, optimizer)}  # the layout to fill
@@ -202,6 +250,20 @@ def restore_state(ckpt, model, optimizer):
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+    return ckpt["step"], ckpt["elapsed"]
+
+def load_weights(model, state_dict, problem):
+    """model with state_dict's weights; a mismatch is one line, problem, then torch's first"""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as e:  # the first mismatch in one line, not torch's page of them
+        raise UserError(f"{problem}: {str(e).splitlines()[1].strip()}") from None
+    return model
+
+def model_from_checkpoint(ckpt, **overrides):
+    """The T5 in a checkpoint of train.py or finetune.py (a dict from load_checkpoint)."""
+    model = T5(T5Config(**{**ckpt["model_config"], **overrides}))
+    return load_weights(model, ckpt["model"], "the checkpoint's weights do not match its model config")
 
 # Hugging Face's format: transformers' T5ForConditionalGeneration, read and written
 
@@ -252,7 +314,7 @@ def from_pretrained(name_or_dir, **overrides):
     ours = {hf_name: name for name, hf_name in hf_names(model)}
     state_dict = {ours.get(k, k): v for k, v in state_dict.items() if k not in HF_REDUNDANT}
     state_dict['lm_head.weight'] = lm_head
-    return model.load_weights(state_dict, f"weights in {folder} do not match its config.json")
+    return load_weights(model, state_dict, f"weights in {folder} do not match its config.json")
 
 def save_pretrained(model, folder):
     """config.json and model.safetensors, which transformers' T5ForConditionalGeneration reads"""
@@ -335,7 +397,7 @@ def load_model(init_from, **overrides):
         return from_pretrained(init_from, **overrides), None
     ckpt = load_checkpoint(path)
     with reading(path, "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"):
-        return T5.from_checkpoint(ckpt, **overrides), ckpt
+        return model_from_checkpoint(ckpt, **overrides), ckpt
 
 def start_model(weights, rt, fsdp=False, compile=False, dynamic=None, activation_checkpointing=False,
                 **overrides):
@@ -345,12 +407,14 @@ def start_model(weights, rt, fsdp=False, compile=False, dynamic=None, activation
     whole model: a resume reads each rank's own shards, and other weights are read by rank 0 alone,
     which sends each rank its shards."""
     model = ckpt = None
+    if isinstance(weights, str):
+        print0(f"a new run from the weights of {weights} (--init_from=resume continues a run)")
     if isinstance(weights, T5Config):
         config = weights
     elif isinstance(weights, dict):  # a resume
         config = T5Config(**{**weights["model_config"], **overrides})
         if not fsdp:
-            model = T5.from_checkpoint(weights, **overrides)
+            model = model_from_checkpoint(weights, **overrides)
     elif rt.master or not fsdp:
         model, ckpt = load_model(weights, **overrides)
         config = model.config

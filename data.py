@@ -1,6 +1,6 @@
 """
 The training-time data path: a prepared folder's windows of tokens, span-corrupted into T5's
-(inputs, targets); the batch of every step, built ahead in a thread; what an evaluation shows.
+(inputs, targets); the batch of every step, built ahead in a thread; what an evaluation measures.
     data = SpanCorruptionBatches("data/pydoc", "train", batch_size=16, input_length=128,
                                  noise_density=0.15, mean_noise_span_length=3.0, seed=1337, vocab_size=1152)
     input_ids, labels = data.get(step)  # (16, 128) and (16, 29): the batch of any step, at any time
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from files import UserError
-from prepare import NUM_SENTINELS, check_files, load_meta, prepare_command
+from prepare import NUM_SENTINELS, beyond_vocab_error, check_files, load_meta
 
 # span corruption, as T5 does it (t5.data.preprocessors: random_spans_noise_mask and co.)
 
@@ -99,14 +99,19 @@ def micro_batch_size(batch_size, grad_accum_steps, world_size):
                         f"{grad_accum_steps} x {world_size} ranks; change batch_size or grad_accum_steps")
     return size
 
+# the random streams of the batches: numpy seeds [run seed or none, stream, where in the run]
+TRAIN_ORDER = 0  # [seed, TRAIN_ORDER, epoch]: the order in which train's windows are read
+TRAIN_SPANS = 1  # [seed, TRAIN_SPANS, step, row]: where the noise spans of a training row fall
+VAL_SPANS = 2  # [VAL_SPANS, step, row]: a val row's, without the seed: eval losses compare across runs
+
 @functools.lru_cache(maxsize=1)
-def permutation(seed, num_windows, epoch):
-    return np.random.default_rng([seed, 0, epoch]).permutation(num_windows)
+def train_order(seed, num_windows, epoch):
+    return np.random.default_rng([seed, TRAIN_ORDER, epoch]).permutation(num_windows)
 
 class SpanCorruptionBatches:
     """Span-corrupted batches of a prepared folder's windows of raw_length tokens. Row r of step
     k's global batch is a function of (seed, k, r), so that resuming, more GPUs or another
-    grad_accum_steps change nothing; val's rows ignore the seed: eval losses compare across runs."""
+    grad_accum_steps change nothing."""
     def __init__(self, data_dir, split, batch_size, input_length, noise_density,
                  mean_noise_span_length, seed, vocab_size):
         self.meta = load_meta(data_dir)
@@ -116,15 +121,14 @@ class SpanCorruptionBatches:
                             f"{vocab_size}: use data prepared with the model's tokenizer")
         self.split = split
         self.batch_size = batch_size
+        self.noise_density = noise_density
+        self.mean_noise_span_length = mean_noise_span_length
         self.seed = seed
-        self.noise = (noise_density, mean_noise_span_length, self.meta["first_sentinel_id"],
-                      self.meta["eos_id"])
         self.raw_length, self.targets_length = compute_input_and_target_lengths(
             input_length, noise_density, mean_noise_span_length)
-        names = self.meta["train_shards"] if split == "train" else ["val.bin"]
-        check_files(self.meta, names)
-        self.names = names
-        self.shards = [np.memmap(f"{data_dir}/{name}", dtype=np.uint16, mode="r") for name in names]
+        self.names = self.meta["train_shards"] if split == "train" else ["val.bin"]
+        check_files(self.meta, self.names)
+        self.shards = [np.memmap(f"{data_dir}/{name}", dtype=np.uint16, mode="r") for name in self.names]
         self.vocab_size = vocab_size  # ids checked in get: here, every shard would be read whole
         windows = [len(s) // self.raw_length for s in self.shards]  # each shard's, not overlapping
         self.num_windows = sum(windows)
@@ -133,16 +137,21 @@ class SpanCorruptionBatches:
                             f"not one window: prepare more data or lower input_length")
         self.first_window = np.cumsum([0] + windows)  # of each shard
 
-    def windows(self, samples):
-        """the window each sample (step * batch_size + row) reads: each epoch of train in its order"""
-        if self.split != "train":
-            return samples % self.num_windows
-        windows = np.empty_like(samples)
-        epochs = samples // self.num_windows
-        for epoch in np.unique(epochs):
-            order = permutation(self.seed, self.num_windows, epoch)
-            windows[epochs == epoch] = order[samples[epochs == epoch] % self.num_windows]
-        return windows
+    def window_of(self, samples):
+        """(shard, first token) of the window that each of samples reads, a sample being step *
+        batch_size + row. The shards are cut into windows of raw_length L, numbered on from shard
+        to shard; train reads them in a new order each epoch, val in order. With shards of 3 and 2
+        windows, batch_size 4 and seed 1337, epoch 1 reads train_order(1337, 5, 1) = [2, 4, 0, 1, 3]:
+        sample 5 (step 1, row 1) is its first, window 2, shard 0's third (tokens 2L to 3L); sample
+        6 reads window 4, shard 1's second (tokens L to 2L)."""
+        epochs, nth = np.divmod(samples, self.num_windows)
+        windows = nth.copy()
+        if self.split == "train":
+            for epoch in np.unique(epochs):
+                order = train_order(self.seed, self.num_windows, epoch)
+                windows[epochs == epoch] = order[nth[epochs == epoch]]
+        shard = np.searchsorted(self.first_window, windows, side="right") - 1
+        return shard, (windows - self.first_window[shard]) * self.raw_length
 
     def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
         """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: this rank's
@@ -150,22 +159,18 @@ class SpanCorruptionBatches:
         b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
         first_row = (micro_step * world_size + rank) * b
         rows = range(first_row, first_row + b)
-        windows = self.windows(step * self.batch_size + np.array(rows))
-        shard = np.searchsorted(self.first_window, windows, side="right") - 1
-        start = (windows - self.first_window[shard]) * self.raw_length
-        raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shard, start)])
-        if raw.max() >= self.vocab_size:
+        shards, starts = self.window_of(step * self.batch_size + np.array(rows))
+        raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shards, starts)])
+        if raw.max() >= self.vocab_size:  # a damaged shard, or another tokenizer's
             row = raw.max(axis=1).argmax()
-            path = f"{self.meta['data_dir']}/{self.names[shard[row]]}"
-            remake = prepare_command(self.meta["settings"], self.meta["data_dir"])
-            raise UserError(f"{path} holds token id {raw[row].max()}, beyond the model's "
-                            f"vocab_size {self.vocab_size}: the data is corrupt or from another "
-                            f"tokenizer; make it again with `{remake}`")
+            raise beyond_vocab_error(self.meta, self.names[shards[row]], raw[row].max(), self.vocab_size)
         if self.split == "train":
-            rngs = [np.random.default_rng([self.seed, 1, step, r]) for r in rows]
+            rngs = [np.random.default_rng([self.seed, TRAIN_SPANS, step, r]) for r in rows]
         else:
-            rngs = [np.random.default_rng([2, step, r]) for r in rows]
-        return tuple(torch.from_numpy(t).to(device) for t in span_corrupt(raw, *self.noise, rngs))
+            rngs = [np.random.default_rng([VAL_SPANS, step, r]) for r in rows]
+        inputs, targets = span_corrupt(raw, self.noise_density, self.mean_noise_span_length,
+                                       self.meta["first_sentinel_id"], self.meta["eos_id"], rngs)
+        return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device)
 
 class Prefetcher:
     """get(step): this rank's micro-batches of step for optim.train_step, grad_accum_steps dicts of
@@ -204,27 +209,7 @@ class Prefetcher:
         """stop the thread, dropping a batch built ahead that no step will use"""
         self.pool.shutdown(cancel_futures=True)
 
-# what an evaluation shows: two examples filled in, and how many spans the model gets right
-
-def shown_length(tok, ids, num_spans=3):
-    """how many of ids (a fill or a true fill) hold their first num_spans spans"""
-    ends = [i for i, token in enumerate(ids) if token in (tok.eos_id, tok.first_sentinel_id - num_spans)]
-    return ends[0] if ends else len(ids)
-
-def show_fill(tok, inputs, fill, truth, num_spans=3, context=6):
-    """One span-corrupted example as an evaluation prints it: the input around its first num_spans
-    sentinels, and the model's and the true fill of those."""
-    inputs = np.asarray(inputs).tolist()
-    shown = [i for i, token in enumerate(inputs) if tok.is_sentinel(token)][:num_spans]
-    keep = sorted({j for i in shown for j in range(max(i - context, 0), min(i + context + 1, len(inputs)))})
-    runs = np.split(np.array(keep), np.nonzero(np.diff(keep) > 1)[0] + 1) if keep else []
-    text = " ... ".join(tok.decode([inputs[j] for j in run]).strip() for run in runs)
-    start = "... " if keep and keep[0] > 0 else ""
-    fill = np.asarray(fill).tolist()
-    truth = np.asarray(truth).tolist()
-    return {"input": start + text + " ...",
-            "model": tok.decode(fill[:shown_length(tok, fill, num_spans)]).strip(),
-            "truth": tok.decode(truth[:shown_length(tok, truth, num_spans)]).strip()}
+# what an evaluation measures: how many spans the model gets right, and a baseline for it
 
 def span_accuracy(logits, labels, first_sentinel_id):
     """(spans right, spans) of a batch under teacher forcing, as tensors: a noise span is right when

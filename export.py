@@ -4,7 +4,7 @@ model.safetensors and the run's tokenizer as spiece.model, which transformers'
 T5ForConditionalGeneration and sample.py read back as the run.
     python export.py --init_from=out/t5_tiny --out_dir=out/t5_tiny_hf
 """
-import configurator  # first: from here on an error, or Ctrl-C, is one line, not a traceback
+import errors  # first: from here on an error, or Ctrl-C, is one line, not a traceback
 import os
 
 from checkpoint import find_weights, load_model, save_pretrained

@@ -7,7 +7,7 @@ instances per task).
     python finetune.py --init_from=out/finetune --eval_only=True --out_dir=out/eval   # evaluate only
     torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True
 """
-import configurator  # first: from here on an error, or Ctrl-C, is one line, not a traceback
+import errors  # first: from here on an error, or Ctrl-C, is one line, not a traceback
 import json
 import os
 import random
@@ -266,8 +266,7 @@ if __name__ == "__main__":
         if resuming:
             restore_state(ckpt, train_model, opt)
     ckpt = None  # free the checkpoint's copy of the weights
-    logger = Logger(out_dir, rt.master, resume_step=step if resuming else None, wandb_log=wandb_log,
-                    wandb_project=wandb_project, wandb_run_name=wandb_run_name, config=config)
+    logger = Logger(out_dir, rt.master, resume_step=step if resuming else None, config=config)
 
     @lru_cache(maxsize=1)
     def epoch_order(epoch):
@@ -318,7 +317,7 @@ if __name__ == "__main__":
     steps_since_log = 0
     stop = False
     while step < max_steps and not stop:
-        loss, grad_norm = train_step(train_model, opt, micro_batches(step), lr, grad_clip, 0.0, rt.autocast, rt.ddp)
+        loss, grad_norm = train_step(train_model, opt, micro_batches(step), lr, grad_clip, rt.autocast)
         step += 1
         steps_since_log += 1
         sync.watch(loss, grad_norm)

@@ -116,13 +116,14 @@ class Attention(nn.Module):
         self.o = nn.Linear(inner, config.d_model, bias=False)
         self.kv_cache = None  # a KVCache while generate() decodes
         if has_relative_attention_bias:
-            num_buckets = config.relative_attention_num_buckets
-            self.relative_attention_bias = nn.Embedding(num_buckets, config.num_heads)
-            self.buckets = (num_buckets, config.relative_attention_max_distance)
+            self.num_buckets = config.relative_attention_num_buckets
+            self.max_distance = config.relative_attention_max_distance
+            self.relative_attention_bias = nn.Embedding(self.num_buckets, config.num_heads)
 
     def position_bias(self, query_positions, key_positions):  # (1, nh, Tq, Tk), contiguous
         relative_position = key_positions[None, :] - query_positions[:, None]
-        buckets = relative_position_bucket(relative_position, self.bidirectional, *self.buckets)
+        buckets = relative_position_bucket(relative_position, self.bidirectional, self.num_buckets,
+                                           self.max_distance)
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0).contiguous()
 
     def split_heads(self, t):  # (B, T, nh * hs) -> (B, nh, T, hs)
@@ -234,7 +235,7 @@ class Decoder(Stack):
     def encoder_kv(self, encoder_out):  # each layer's cross-attention k, v, for generate()
         return [block.encoder_kv(encoder_out) for block in self.blocks]
 
-    def forward(self, x, encoder_out, cross_mask, decoder_attention_mask, dtype, pos=None):
+    def forward(self, x, encoder_out, cross_mask, dtype, pos=None):
         """x: token embeddings (B, T, d_model). Decoding: pos, x's positions (T,) in kv_cache, and
         encoder_out each layer's k, v of it (encoder_kv)."""
         if pos is None:  # training: each position attends to itself and the ones before it
@@ -245,9 +246,6 @@ class Decoder(Stack):
         bias = self.blocks[0].self_attn.position_bias(query_positions, key_positions).to(dtype)
         future = key_positions[None, :] > query_positions[:, None]
         mask = bias.masked_fill(future, torch.finfo(dtype).min)  # (1, nh, T, Tk)
-        if decoder_attention_mask is not None:
-            padded = decoder_attention_mask[:, None, None, :] == 0
-            mask = mask.masked_fill(padded, torch.finfo(dtype).min)  # (B, nh, T, Tk)
         x = self.dropout(x)
         for i, block in enumerate(self.blocks):
             x = self.run(block, x, mask, cross_mask, encoder_out if pos is None else encoder_out[i], pos)
@@ -255,7 +253,7 @@ class Decoder(Stack):
 
 def check_ids(**tensors):
     """What a caller of forward() or generate() can get wrong, as one line: each tensor 2-D and of
-    integers, a mask shaped as its ids, as many decoder rows as input rows. Not ids < vocab, which
+    integers, the mask shaped as its ids, as many decoder rows as input rows. Not ids < vocab, which
     would wait for the GPU."""
     for name, ids in tensors.items():
         if ids is None:
@@ -263,14 +261,13 @@ def check_ids(**tensors):
         if not torch.is_tensor(ids) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2:
             what = f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if torch.is_tensor(ids) else type(ids).__name__
             raise UserError(f"{name} must be a 2-D int64 tensor (batch, length), got a {what}")
-    for mask, ids in (("attention_mask", "input_ids"), ("decoder_attention_mask", "decoder_input_ids")):
-        if tensors.get(mask) is not None and tensors[mask].shape != tensors[ids].shape:
-            shapes = f"{tuple(tensors[mask].shape)} but its ids have shape {tuple(tensors[ids].shape)}"
-            raise UserError(f"{mask} has shape {shapes}")
-    rows = tensors["input_ids"].size(0)
+    ids = tensors["input_ids"]
+    mask = tensors.get("attention_mask")
+    if mask is not None and mask.shape != ids.shape:
+        raise UserError(f"attention_mask has shape {tuple(mask.shape)} but its ids have shape {tuple(ids.shape)}")
     decoder_ids = tensors.get("decoder_input_ids")
-    if decoder_ids is not None and decoder_ids.size(0) != rows:
-        raise UserError(f"input_ids hold {rows} rows, the decoder's ids {decoder_ids.size(0)}")
+    if decoder_ids is not None and decoder_ids.size(0) != ids.size(0):
+        raise UserError(f"input_ids hold {ids.size(0)} rows, the decoder's ids {decoder_ids.size(0)}")
 
 class T5(nn.Module):
     def __init__(self, config):
@@ -314,8 +311,7 @@ class T5(nn.Module):
         autocast = torch.is_autocast_enabled(device.type)
         return torch.get_autocast_dtype(device.type) if autocast else self.shared.weight.dtype
 
-    def forward(self, input_ids, decoder_input_ids=None, labels=None, attention_mask=None,
-                decoder_attention_mask=None):
+    def forward(self, input_ids, decoder_input_ids=None, labels=None, attention_mask=None):
         """(logits (B, T, vocab), the mean cross-entropy over labels or None). In training the decoder
         reads the labels shifted right (teacher forcing): position t, which sees only the labels before
         t, predicts label t:
@@ -324,12 +320,12 @@ class T5(nn.Module):
         if decoder_input_ids is None:
             decoder_input_ids = self.shift_right(labels)
         check_ids(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                  decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_attention_mask)
+                  decoder_input_ids=decoder_input_ids)
         dtype = self.compute_dtype(input_ids.device)
         encoder_out = self.encoder(self.shared(input_ids), attention_mask, dtype)
         cross_mask = padding_mask(attention_mask, dtype)
         decoder_in = self.shared(decoder_input_ids)
-        x = self.decoder(decoder_in, encoder_out, cross_mask, decoder_attention_mask, dtype)
+        x = self.decoder(decoder_in, encoder_out, cross_mask, dtype)
         logits = self.lm_head(x * self.config.output_scaling)
         if labels is None:
             return logits, None
@@ -346,7 +342,7 @@ class T5(nn.Module):
     def decode_step(self, token, pos, encoder_kv, cross_mask):
         """the logits (B, vocab) after token (B, 1) at position pos (1,), the steps before in kv_cache"""
         dtype = self.compute_dtype(token.device)
-        x = self.decoder(self.shared(token), encoder_kv, cross_mask, None, dtype, pos)
+        x = self.decoder(self.shared(token), encoder_kv, cross_mask, dtype, pos)
         return self.lm_head(x[:, -1] * self.config.output_scaling).float()
 
     @torch.no_grad()  # not inference_mode, under which autocast re-casts every weight at every step
@@ -387,16 +383,3 @@ class T5(nn.Module):
         for block in self.decoder.blocks:  # the caches hold only this call's tokens: free them
             block.self_attn.kv_cache = None
         return out[:, :pos.item() + 1]  # all steps, or up to the one where every row was finished
-
-    @classmethod
-    def from_checkpoint(cls, ckpt, **overrides):
-        """The model in a checkpoint of train.py or finetune.py (a dict from load_checkpoint)."""
-        model = cls(T5Config(**{**ckpt['model_config'], **overrides}))
-        return model.load_weights(ckpt['model'], "the checkpoint's weights do not match its model config")
-
-    def load_weights(self, state_dict, problem):
-        try:
-            self.load_state_dict(state_dict)
-        except RuntimeError as e:  # the first mismatch in one line, not torch's page of them
-            raise UserError(f"{problem}: {str(e).splitlines()[1].strip()}") from None
-        return self

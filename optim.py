@@ -7,9 +7,10 @@ from contextlib import nullcontext
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from files import UserError
-from runtime import set_gradient_sync
+
 
 class AdamWScale(torch.optim.Optimizer):
     """
@@ -29,8 +30,8 @@ class AdamWScale(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure_loss(closure)
+    def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
+        assert closure is None, "one gradient per step: no closure"
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -73,7 +74,6 @@ class AdamWScale(torch.optim.Optimizer):
             torch._foreach_addcdiv_(slices, exp_avgs, denoms, value=-1.0)  # (4) p -= m / that
             if weight_decay > 0:
                 torch._foreach_mul_(slices, 1 - lr * weight_decay)  # (5) p -= lr * wd * p
-        return loss
 
 class Adafactor(torch.optim.Optimizer):
     """
@@ -95,8 +95,8 @@ class Adafactor(torch.optim.Optimizer):
                                       weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure_loss(closure)
+    def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
+        assert closure is None, "one gradient per step: no closure"
         for group in self.param_groups:
             eps1, eps2 = group["eps"]
             for p in group["params"]:
@@ -130,9 +130,8 @@ class Adafactor(torch.optim.Optimizer):
                 if group["weight_decay"] != 0:
                     p.mul_(1 - group["weight_decay"] * step_size)
                 p.sub_(update.mul_(step_size))
-        return loss
 
-# what the optimizers need for FSDP's DTensors, and torch.optim's closure
+# what the optimizers need for FSDP's DTensors
 
 def rms(t):  # of a DTensor (an FSDP shard), the whole tensor's
     return t.norm() / math.sqrt(t.numel())
@@ -156,13 +155,6 @@ def zeros_like_mean(t, dim):
     if isinstance(mean, DTensor):
         mean = mean.redistribute(placements=[Replicate() if p.is_partial() else p for p in mean.placements])
     return torch.zeros_like(mean)
-
-def closure_loss(closure):
-    """torch.optim's contract for step(closure): re-evaluate the model with grad on"""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
 
 def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min_lr):
     """
@@ -200,15 +192,13 @@ def param_groups(model, weight_decay, no_decay=("ln_",)):
             (not_decayed if any(s in name for s in no_decay) else decayed).append(p)
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": not_decayed, "weight_decay": 0.0}]
 
-OPTIMIZERS = ("adamwscale", "adafactor", "adamw")
-
 def check_optimizer(name):
-    """configurator.py's rule for `optimizer`"""
-    if name not in OPTIMIZERS:
-        raise UserError(f"unknown optimizer '{name}': use one of {', '.join(OPTIMIZERS)}")
+    """configurator.py's rule for `optimizer`: one make_optimizer knows"""
+    if name not in ("adamwscale", "adafactor", "adamw"):
+        raise UserError(f"unknown optimizer '{name}': use one of adamwscale, adafactor, adamw")
 
 def make_optimizer(name, groups, lr):
-    """One of OPTIMIZERS by name; each group's weight_decay from param_groups."""
+    """An optimizer by name; each group's weight_decay from param_groups."""
     if name == "adamwscale":
         return AdamWScale(groups, lr=lr)
     if name == "adafactor":
@@ -217,29 +207,23 @@ def make_optimizer(name, groups, lr):
     device_type = next(p for g in groups for p in g["params"]).device.type
     return torch.optim.AdamW(groups, lr=lr, eps=1e-6, fused=device_type in ("cuda", "cpu"))
 
-def train_step(model, optimizer, micro_batches, lr=None, grad_clip=0.0, z_loss=0.0,
-               autocast=nullcontext, ddp=False):
+def train_step(model, optimizer, micro_batches, lr=None, grad_clip=0.0, autocast=nullcontext):
     """One optimizer step over a step's micro-batches, each a dict of the model's arguments
     (input_ids, labels, perhaps attention_mask). Returns the mean loss and the gradient norm before
-    clipping, as tensors on the device: the caller decides when to wait for them. ddp: the model is
-    in DDP or sharded by FSDP."""
+    clipping, as tensors on the device: the caller decides when to wait for them. autocast: the
+    run's float mode, a context manager (bf16 autocast, or none)."""
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
     total_loss = 0.0
     for micro_step, batch in enumerate(micro_batches):
-        if ddp:
-            # sync the gradients once, after the last micro-batch (nanoGPT's trick)
-            set_gradient_sync(model, micro_step == len(micro_batches) - 1)
+        if isinstance(model, DDP):
+            # all-reduce the gradients once, after the last micro-batch (nanoGPT's trick). FSDP
+            # reduce-scatters them after each, so that no rank ever holds whole gradients
+            model.require_backward_grad_sync = micro_step == len(micro_batches) - 1
         with autocast():
-            logits, loss = model(**batch)
-            objective = loss
-            if z_loss > 0:
-                # t5x's z-loss pulls log(sum(exp(logits))) towards 0, where bf16 keeps its precision
-                valid = batch["labels"] != -100
-                log_z = torch.logsumexp(logits.float(), dim=-1)
-                objective = loss + z_loss * (log_z.square() * valid).sum() / valid.sum()
-        (objective / len(micro_batches)).backward()
+            _, loss = model(**batch)
+        (loss / len(micro_batches)).backward()
         total_loss = total_loss + loss.detach()
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

@@ -360,6 +360,26 @@ class Tokenizer:
                 run.append(i)
         return " ".join(part for part in parts + [self._decode(run)] if part)
 
+    def shown_length(self, ids, num_spans=3):
+        """how many of ids (a fill or a true fill) hold their first num_spans spans"""
+        ends = [i for i, token in enumerate(ids) if token in (self.eos_id, self.first_sentinel_id - num_spans)]
+        return ends[0] if ends else len(ids)
+
+    def show_fill(self, inputs, fill, truth, num_spans=3, context=6):
+        """One span-corrupted example as an evaluation prints it: the input around its first num_spans
+        sentinels, and the model's and the true fill of those."""
+        inputs = np.asarray(inputs).tolist()
+        shown = [i for i, token in enumerate(inputs) if self.is_sentinel(token)][:num_spans]
+        keep = sorted({j for i in shown for j in range(max(i - context, 0), min(i + context + 1, len(inputs)))})
+        runs = np.split(np.array(keep), np.nonzero(np.diff(keep) > 1)[0] + 1) if keep else []
+        text = " ... ".join(self.decode([inputs[j] for j in run]).strip() for run in runs)
+        start = "... " if keep and keep[0] > 0 else ""
+        fill = np.asarray(fill).tolist()
+        truth = np.asarray(truth).tolist()
+        return {"input": start + text + " ...",
+                "model": self.decode(fill[:self.shown_length(fill, num_spans)]).strip(),
+                "truth": self.decode(truth[:self.shown_length(truth, num_spans)]).strip()}
+
 def t5_spiece():
     """T5 v1.1's sentencepiece model (flan-t5 and nanoT5 share it), from the Hub or its cache"""
     from huggingface_hub import hf_hub_download
@@ -448,6 +468,12 @@ def check_files(meta, names):
         command = prepare_command(meta["settings"], meta["data_dir"])
         raise UserError(f"{problem}: rebuild it with `{command}`")
 
+def beyond_vocab_error(meta, name, token, vocab_size):
+    """the error of a token id the model has no embedding for, found in the shard name"""
+    return UserError(f"{meta['data_dir']}/{name} holds token id {token}, beyond the model's vocab_size "
+                    f"{vocab_size}: the data is corrupt or from another tokenizer; make it again with "
+                    f"`{prepare_command(meta['settings'], meta['data_dir'])}`")
+
 def load_tokenizer(meta, hf_folder=""):
     """A prepared folder's tokenizer (from its path, or its meta as checkpoints keep it), checked;
     without meta, T5's: hf_folder's spiece.model, or the Hub's."""
@@ -466,5 +492,6 @@ def load_tokenizer(meta, hf_folder=""):
     return tok
 
 if __name__ == "__main__":
+    import errors  # an error, or Ctrl-C, is one line; here, as importing prepare sets no hook
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     prepare(**config)

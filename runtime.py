@@ -224,16 +224,14 @@ def wrap_model(model, rt, fsdp=False, compile=False, dynamic=None, activation_ch
         init_shards(model)
     return model
 
-def set_gradient_sync(model, sync):
-    """DDP: whether the next backward all-reduces the gradients. (FSDP reduce-scatters them at every
-    backward, so that no rank ever holds whole gradients.)"""
-    if isinstance(model, DDP):
-        model.require_backward_grad_sync = sync
-
-def state_bytes(model, optimizer):
+def print_memory(model, optimizer, rt):
+    """after the first step: what rank 0 holds of weights and optimizer state; a GPU's peak"""
     tensors = [*raw_model(model).parameters(),
                *(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
-    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
+    state_bytes = sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
+    print0(f"parameters + optimizer state: {state_bytes / 2**20:.2f} MiB on rank 0")
+    if rt.device_type == "cuda":
+        print0(memory_report(rt.device))
 
 # the loop's log and its agreement
 
@@ -243,12 +241,11 @@ def check_wandb(wandb_log):
         require("wandb", "--wandb_log=True")
 
 class Logger:
-    """One JSON object per event in out_dir/log.jsonl (rank 0), and to wandb if enabled. A resume
-    first drops what was logged after its checkpoint; a damaged line stops it, but for the last,
-    which a kill may cut."""
+    """One JSON object per event in out_dir/log.jsonl (rank 0), and to wandb if the run's config
+    says wandb_log. A resume first drops what was logged after its checkpoint; a damaged line stops
+    it, but for the last, which a kill may cut."""
 
-    def __init__(self, out_dir, master=True, resume_step=None, wandb_log=False, wandb_project="nanoT5",
-                 wandb_run_name=None, config=None):
+    def __init__(self, out_dir, master=True, resume_step=None, config=None):
         self.path = os.path.join(out_dir, "log.jsonl") if master else None
         self.wandb = None
         if master and resume_step is not None and os.path.exists(self.path):
@@ -261,9 +258,10 @@ class Logger:
                             kept.append(line)
             with atomic_write(self.path, "w") as f:
                 f.writelines(kept)
-        if master and wandb_log:
+        if master and config and config["wandb_log"]:
             import wandb
-            self.wandb = wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+            self.wandb = wandb.init(project=config["wandb_project"], name=config["wandb_run_name"],
+                                    config=config)
 
     def log(self, record):
         if self.path is None:

@@ -7,7 +7,7 @@ init_from: a run of train.py or finetune.py (its out_dir, ckpt.pt or ckpt/), rea
 tokenizer, or Hugging Face weights (a Hub name, or a folder such as export.py writes), read with the
 spiece.model beside them or else T5's. The model's fills are shown [in brackets] at the sentinels.
 """
-import configurator  # first: from here on an error, or Ctrl-C, is one line, not a traceback
+import errors  # first: from here on an error, or Ctrl-C, is one line, not a traceback
 import os
 import re
 

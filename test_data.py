@@ -304,3 +304,15 @@ def test_unigram_baseline_always_writes_the_commonest_training_fill():
     train = Batches([[299, 5, 298, 5, 297, 6, 1]])  # fills (5,), (5,), (6,)
     val = Batches([[299, 5, 298, 7, 7, 1], [299, 6, 298, 5, 5, 1]])  # fills (5,), (7, 7), (6,), (5, 5)
     assert D.unigram_baseline(train, val, val_steps=1, train_spans=3) == ((5,), 0.25)
+
+
+def test_window_of_works_its_docstring_example():
+    stream = object.__new__(D.SpanCorruptionBatches)  # only the window arithmetic: no folder
+    stream.split, stream.seed, stream.num_windows, stream.raw_length = "train", 1337, 5, 10
+    stream.first_window = np.array([0, 3, 5])  # shards of 3 and 2 windows
+    assert D.train_order(1337, 5, 1).tolist() == [2, 4, 0, 1, 3]
+    shard, start = stream.window_of(np.array([5, 6]))
+    assert shard.tolist() == [0, 1] and start.tolist() == [20, 10]
+    stream.split = "val"  # in order, epoch after epoch
+    shard, start = stream.window_of(np.array([5, 6, 8]))
+    assert shard.tolist() == [0, 0, 1] and start.tolist() == [0, 10, 0]

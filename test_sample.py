@@ -8,8 +8,7 @@ import torch
 
 import data as D
 import prepare as P
-from model import T5
-from checkpoint import load_checkpoint, save_pretrained
+from checkpoint import load_checkpoint, model_from_checkpoint, save_pretrained
 from sample import encode, fill_in
 from test_train import TINY, data_dir, run  # noqa: F401 (data_dir is a fixture)
 
@@ -27,7 +26,7 @@ def trained(data_dir, tmp_path_factory):  # noqa: F811
 
 def model_and_tokenizer(out):
     ckpt = load_checkpoint(os.path.join(out, "ckpt.pt"))
-    return T5.from_checkpoint(ckpt).eval(), P.load_tokenizer(ckpt["meta"])
+    return model_from_checkpoint(ckpt).eval(), P.load_tokenizer(ckpt["meta"])
 
 
 def test_a_text_is_filled_in_by_generate(trained):

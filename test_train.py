@@ -88,7 +88,7 @@ def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
     import torch
     import data as D
     import prepare as P
-    from model import T5
+    from checkpoint import model_from_checkpoint
     from test_data import rebuild
     out = str(tmp_path / "out")
     r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=6", "--eval_interval=3",
@@ -108,7 +108,7 @@ def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
     assert [rebuild(i, t, meta["first_sentinel_id"]) for i, t in zip(inputs.numpy(), labels.numpy())] == \
         windows.reshape(2, -1).tolist()
     # span accuracy is logged and printed next to its baseline, and is what the final weights score on val
-    t5 = T5.from_checkpoint(torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)).eval()
+    t5 = model_from_checkpoint(torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)).eval()
     assert f"span acc {shown[-1]['span_acc']:.4f} (baseline {shown[-1]['span_baseline']:.4f})" in r.stdout
     totals = torch.zeros(2)
     for step in range(2):  # --eval_steps=2
@@ -395,7 +395,7 @@ def test_the_error_hook_never_fails(tmp_path):
                        ("class Odd(Exception):\n    def __str__(self):\n        raise ValueError\nraise Odd()",
                         "Odd: <exception str() failed>")):
         script = tmp_path / "script.py"
-        script.write_text(f"import os\nexec(open(os.path.join({REPO!r}, 'configurator.py')).read())\n{body}\n")
+        script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport errors\n{body}\n")
         r = run([str(script)])
         assert r.returncode == 1 and "Error in sys.excepthook" not in r.stderr, r.stderr
         assert r.stderr.strip().splitlines()[-1].startswith(line), r.stderr
@@ -473,7 +473,7 @@ def test_init_from_a_run_starts_a_new_run_from_its_weights(data_dir, learned, tm
 
 def test_out_of_memory_is_one_line(tmp_path):
     script = tmp_path / "big.py"
-    script.write_text(f"import os, torch\nexec(open(os.path.join({REPO!r}, 'configurator.py')).read())\n"
+    script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport errors\nimport torch\n"
                       "torch.empty(2**50)\n")  # a petabyte: the CPU allocator refuses it with a RuntimeError
     r = run([str(script)])
     assert r.returncode == 1 and r.stderr.startswith("error: out of memory (") and "lower batch_size" in r.stderr

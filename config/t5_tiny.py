@@ -1,6 +1,6 @@
 # The CPU demo: a 2M-parameter T5 learns Python's own documentation in about five minutes on 2 cores, no download.
 # python train.py config/t5_tiny.py    (the first run prepares data/pydoc itself, ~20 s)
-# The values come from a search of 10 configurations, 5 minutes each (README, "The CPU demo").
+# The values come from a search of 10 configurations, 5 minutes each (docs/cpu_demo.md).
 out_dir = "out/t5_tiny"
 data_dir = "data/pydoc"
 dataset = "pydoc"  # pydoc topics + standard-library docstrings, ~2 MB of English that ships with Python

@@ -1,0 +1,61 @@
+"""
+What each script imports first, before its slow imports: from then on an error the user can fix
+(UserError, an OS error on a file, running out of memory) is one line `error: ...` on stderr, not a
+traceback, and so is Ctrl-C. Under torchrun, rank 0 says the line again, last. While the script
+imports, Ctrl-C stops it at once; configurator.py makes it a KeyboardInterrupt again.
+"""
+import os
+import select
+import signal
+import sys
+
+INTERRUPTED = "interrupted: what was finished is kept; run the same command again to go on"
+
+def one_line(exc_type, exc):
+    """what the hook prints for an exception, or None for a traceback: bad input, an OS error on a
+    file, running out of memory, Ctrl-C"""
+    lines = str(exc).strip().splitlines() or [exc_type.__name__]
+    if exc_type.__name__ == "UserError":
+        return f"error: {exc}"
+    if issubclass(exc_type, KeyboardInterrupt):
+        return INTERRUPTED
+    if issubclass(exc_type, OSError) and exc.strerror:
+        names = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
+        return f"error: {names + ': ' if names else ''}{exc.strerror}"
+    # torch's OutOfMemoryError is a GPU's; on a CPU torch raises a RuntimeError
+    if issubclass(exc_type, MemoryError) or exc_type.__name__ == "OutOfMemoryError" or (
+            issubclass(exc_type, RuntimeError) and "can't allocate memory" in lines[0]):
+        return (f"error: out of memory ({lines[0][:120]}): lower batch_size, input_length or the "
+                f"model, or raise grad_accum_steps (the same batch in smaller micro-batches)")
+
+def print_user_errors(exc_type, exc, tb, _default=sys.excepthook):
+    # no sys.exit: torchrun wraps this hook to prefix each line, and an exit would lose it
+    try:
+        message = one_line(exc_type, exc)
+    except Exception:  # whatever the exception holds, the hook itself never fails
+        message = None
+    if message is None:
+        return _default(exc_type, exc, tb)
+    print(message, file=sys.stderr)
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK") == "0":
+        # torchrun reports after the ranks exit: a child, out of the rank's process group (which
+        # torchrun stops), waits for torchrun to exit and says it again, last
+        launcher = os.getppid()
+        if os.fork() == 0:
+            os.setsid()
+            try:
+                select.select([os.pidfd_open(launcher)], [], [])  # readable once it has exited
+            except (AttributeError, OSError):  # no pidfd on this OS, or torchrun gone already
+                pass
+            os.write(2, f"{message}\n".encode())
+            os._exit(0)
+
+def interrupted_while_starting(signum, frame):
+    # while the script imports: nothing to clean up yet, and a library's bare `except:` could
+    # swallow the KeyboardInterrupt, and the program go on
+    os.write(2, f"{INTERRUPTED}\n".encode())
+    os._exit(130)
+
+sys.excepthook = print_user_errors
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the caller ignores it
+    signal.signal(signal.SIGINT, interrupted_while_starting)
