@@ -11,7 +11,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from files import UserError
 
-
 class AdamWScale(torch.optim.Optimizer):
     """
     nanoT5's AdamW: each tensor's Adam step is scaled by the tensor's RMS, like Adafactor's parameter
@@ -192,13 +191,15 @@ def param_groups(model, weight_decay, no_decay=("ln_",)):
             (not_decayed if any(s in name for s in no_decay) else decayed).append(p)
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": not_decayed, "weight_decay": 0.0}]
 
+OPTIMIZERS = ("adamwscale", "adafactor", "adamw")
+
 def check_optimizer(name):
-    """configurator.py's rule for `optimizer`: one make_optimizer knows"""
-    if name not in ("adamwscale", "adafactor", "adamw"):
-        raise UserError(f"unknown optimizer '{name}': use one of adamwscale, adafactor, adamw")
+    """configurator.py's rule for `optimizer`"""
+    if name not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer '{name}': use one of {', '.join(OPTIMIZERS)}")
 
 def make_optimizer(name, groups, lr):
-    """An optimizer by name; each group's weight_decay from param_groups."""
+    """One of OPTIMIZERS by name; each group's weight_decay from param_groups."""
     if name == "adamwscale":
         return AdamWScale(groups, lr=lr)
     if name == "adafactor":
