@@ -29,10 +29,13 @@ RUN_FILES = ("ckpt.pt", "ckpt", "ckpt.old", "log.jsonl", "metrics.json", "predic
 
 # the run's folder
 
+OUT_DIR_LOCKS = []  # the runs' out_dir locks, held while the process lives
+
 def claim_out_dir(out_dir, rt, fresh, program="train.py"):
     """Before a run does any work: a fresh run refuses an out_dir holding a file another run wrote;
     then an flock on out_dir/lock, which the OS drops however the run dies. Rank 0 decides, every rank
-    raises. Returns the lock file to keep while the run lasts, or None (a resume with no out_dir)."""
+    raises. The lock file is kept in OUT_DIR_LOCKS while the process lives, and returned (None for a
+    resume with no out_dir)."""
     problem = None
     lock = None
     if rt.master:
@@ -62,6 +65,7 @@ def claim_out_dir(out_dir, rt, fresh, program="train.py"):
         torch.distributed.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise UserError(problem[0])
+    OUT_DIR_LOCKS.append(lock)
     return lock
 
 def check_resume(ckpt, path, config, meta, fixed):
@@ -108,13 +112,11 @@ def open_data_dir(config, given_at, rt):
                         f"values, or give another --data_dir")
     return meta
 
-OUT_DIR_LOCKS = []  # held while the process lives: the OS drops them however it ends
-
 def open_out_dir(ckpt_path, config, meta, rt):
     """train.py's out_dir, claimed (claim_out_dir); and the checkpoint --init_from=resume continues, of
     this run's model, optimizer and data (check_resume), with steps and time left; None for a new run"""
     resume = config["init_from"] == "resume"
-    OUT_DIR_LOCKS.append(claim_out_dir(config["out_dir"], rt, fresh=not resume))
+    claim_out_dir(config["out_dir"], rt, fresh=not resume)
     if not resume:
         return None
     ckpt = load_checkpoint(ckpt_path, program="train.py", weights=not config["fsdp"])

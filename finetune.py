@@ -226,7 +226,7 @@ if __name__ == "__main__":
     micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
     # before any work: no run writes over another run's files, or shares its out_dir
     resuming = init_from == "resume"
-    out_dir_lock = claim_out_dir(out_dir, rt, fresh=not resuming, program="finetune.py")  # held till exit
+    claim_out_dir(out_dir, rt, fresh=not resuming, program="finetune.py")  # held till exit
 
     # the model, and the tokenizer it was pre-trained with
     ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a folder of shards

@@ -12,7 +12,6 @@ script.py args` does (see ZYGOTE); a case that hides a package starts a fresh in
 import fcntl
 import glob
 import gzip
-import itertools
 import json
 import os
 import random
@@ -499,12 +498,9 @@ def zygote(tmp_path_factory):
     proc.wait(timeout=60)
 
 
-RUNS = itertools.count()  # names each run's stdout and stderr files
-
-
-def forked(args, zygote, folder):
-    """`python args` forked from the zygote, as a completed process; its output in folder"""
-    out, err = (os.path.join(folder, f"run{next(RUNS)}.{name}") for name in ("stdout", "stderr"))
+def forked(args, zygote, output):
+    """`python args` forked from the zygote, as a completed process; its output in output.stdout and .stderr"""
+    out, err = output + ".stdout", output + ".stderr"
     with socket.socket(socket.AF_UNIX) as conn:
         conn.connect(zygote)
         conn.sendall((json.dumps(dict(argv=args, stdout=out, stderr=err)) + "\n").encode())
@@ -520,14 +516,14 @@ def forked(args, zygote, folder):
         return subprocess.CompletedProcess(args, code, stdout.read(), stderr.read())
 
 
-def run(args, env, zygote, folder):
+def run(args, env, zygote, output):
     """`python args`: in a fresh interpreter where env hides packages, else forked from the zygote; returncode
     "timeout" if it still runs after 120 s"""
     try:
         if "HIDDEN_PACKAGES" in env:
             return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                                   timeout=120)
-        return forked(args, zygote, folder)
+        return forked(args, zygote, output)
     except (subprocess.TimeoutExpired, TimeoutError):
         return subprocess.CompletedProcess(args, "timeout", "", "hung: no exit within 120 s\n")
 
@@ -554,7 +550,7 @@ def results(places, zygote):
         # the folders the case can reach, whose checkpoints and shards must come out as they went in
         reached = [case_places[key] for key in (*OWN_COPIES, *SHARED) if key in named]
         before = snapshot(reached)
-        r = run(args, env, zygote, tmp)
+        r = run(args, env, zygote, os.path.join(tmp, "case"))
         after = snapshot(reached)
         if fix is None:
             return r
@@ -573,7 +569,7 @@ def results(places, zygote):
             args = [arg.format(**case_places) for arg in fix]
         else:
             args = with_args(args, [arg.format(**case_places) for arg in fix])
-        return r, before, after, None if fix == "undo" else run(args, env, zygote, tmp)
+        return r, before, after, None if fix == "undo" else run(args, env, zygote, os.path.join(tmp, "fix"))
 
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         futures = {name: pool.submit(run_case, name, command, fix) for name, command, _, fix in CASES}
