@@ -1,6 +1,6 @@
 """
-Times the training step train.py runs (optim.train_step: forward, backward, clip, optimizer step)
-and, in the same process on the same weights, what one would otherwise use.
+Times the training step train.py runs (forward, backward, clip, optimizer step) and, in the same
+process on the same weights, what one would otherwise use.
     python bench.py                               # ms/step, tokens/s, MFU, peak memory
     python bench.py --table=True                  # dtype x compile, as the nanoT5 paper's Table 1
     python bench.py --compare=hf                  # the same step in transformers' T5
@@ -26,7 +26,7 @@ from data import Prefetcher, SpanCorruptionBatches, compute_input_and_target_len
 from checkpoint import save_pretrained
 from files import UserError
 from model import PRESETS, T5, T5Config
-from optim import make_optimizer, param_groups, train_step
+from optim import make_optimizer, param_groups
 from prepare import load_meta
 from runtime import DTYPES, check_device, flops_per_step, mfu, print0, require, setup_runtime
 
@@ -123,7 +123,7 @@ def twin(t5, rt, compare):
         return transformers.T5ForConditionalGeneration.from_pretrained(folder).to(rt.device)
 
 class TransformersAdapter(torch.nn.Module):
-    """transformers' T5 behind our forward's signature, so that optim.train_step runs it unchanged"""
+    """transformers' T5 behind our forward's signature, so that training_step runs it unchanged"""
 
     def __init__(self, hf):
         super().__init__()
@@ -153,10 +153,21 @@ def batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, data_dir
     return lambda: [micro_batch] * grad_accum_steps
 
 def training_step(net, rt, next_batch, compile_model, lr=2e-2, grad_clip=1.0):
-    """one call = one optimizer step, with train.py's optimizer and clipping"""
-    optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr)
-    net = torch.compile(net) if compile_model else net
-    return lambda: train_step(net, optimizer, next_batch(), lr, grad_clip, autocast=rt.autocast)
+    """one call = one optimizer step as train.py's loop takes it: forward and backward over the
+    micro-batches, clip, update with AdamWScale (compiled with the model)"""
+    optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr, compile_model)
+    model = torch.compile(net) if compile_model else net
+
+    def step():
+        micro_batches = next_batch()
+        for batch in micro_batches:
+            with rt.autocast():
+                _, loss = model(**batch)
+            (loss / len(micro_batches)).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
 
 def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length, compile_model,
                 steps=10, burn_in=3, peak_flops=0.0, data_dir="", seed=1337):

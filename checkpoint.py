@@ -8,6 +8,7 @@ import fcntl
 import glob
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -21,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from files import UserError, atomic_write, reading, write_error, write_failure
 from model import T5, T5Config
 from prepare import load_meta, prepare
-from runtime import print0, rank, raw_model, require, wrap_model
+from runtime import print0, rank, require
 
 # what a run writes in its out_dir: the checkpoint (one file, or FSDP's folder of shards, or what a run
 # killed while replacing that left of it), the log and the results; a fresh run refuses to find one
@@ -101,7 +102,10 @@ def open_data_dir(config, given_at, rt):
             prepare(dataset="pydoc", tokenizer=config["tokenizer"], out_dir=data_dir,
                     vocab_size=config["vocab_size"])
         barrier()
-    meta = load_meta(data_dir)
+    wanted = {key: config[key] for key in ("dataset", "tokenizer", "vocab_size")}
+    if config["tokenizer"] != "train":
+        wanted["vocab_size"] = None  # the tokenizer's own
+    meta = load_meta(data_dir, wanted)  # missing: the command that prepares what the keys describe
     made_with = meta["settings"]
     described = [key for key in ("dataset", "tokenizer", "vocab_size")
                  if given_at.get(key, -1) >= given_at.get("data_dir", 0)]
@@ -197,7 +201,7 @@ def load_checkpoint(path, program=None, weights=True):
         raise UserError(f"no {'sharded ' if sharded else ''}checkpoint at {path}; {hint}")
     with reading(found, "{path} is corrupt or unreadable ({reason}): delete it or use another",
                  errors=(Exception, dcp.CheckpointException)):  # dcp's exception is no Exception
-        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        state = torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)  # read in use
         if sharded and weights:
             tensors = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
             model = {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
@@ -216,10 +220,9 @@ def load_checkpoint(path, program=None, weights=True):
                         f"--init_from={path} in another --out_dir")
     return state
 
-def checkpoint_state(model, optimizer, step, elapsed, config, meta=None, program="train.py"):
+def run_state(t5, optimizer, step, elapsed, config, meta=None, program="train.py"):
     """All a run needs to continue where it stopped, and which program wrote it. Under FSDP every
     rank calls this: the tensors are this rank's shards, the RNG states every rank's."""
-    t5 = raw_model(model)
     sharded = isinstance(t5, FSDPModule)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -233,14 +236,13 @@ def checkpoint_state(model, optimizer, step, elapsed, config, meta=None, program
             "optimizer": optimizer_state, "step": step, "elapsed": elapsed, "config": config,
             "meta": meta, "rng": rng}
 
-def restore_state(ckpt, model, optimizer):
+def restore_state(ckpt, t5, optimizer):
     """A resumed run's optimizer state and RNG, and (its steps done, its training seconds); (0, 0.0)
     for a new run, ckpt None. From shards each rank reads its slices, for any number of ranks; with
     more ranks than wrote them, the RNG states repeat."""
     if ckpt is None:
         return 0, 0.0
     if "shards" in ckpt:
-        t5 = raw_model(model)
         state = {"optimizer": get_optimizer_state_dict(t5, optimizer)}  # the layout to fill
         dcp.load(state, checkpoint_id=ckpt["shards"])
         set_optimizer_state_dict(t5, optimizer, state["optimizer"])
@@ -254,7 +256,7 @@ def restore_state(ckpt, model, optimizer):
         torch.cuda.set_rng_state_all(rng["cuda"])
     return ckpt["step"], ckpt["elapsed"]
 
-def load_weights(model, state_dict, problem):
+def load_state_dict(model, state_dict, problem):
     """model with state_dict's weights; a mismatch is one line, problem, then torch's first"""
     try:
         model.load_state_dict(state_dict)
@@ -265,7 +267,7 @@ def load_weights(model, state_dict, problem):
 def model_from_checkpoint(ckpt, **overrides):
     """The T5 in a checkpoint of train.py or finetune.py (a dict from load_checkpoint)."""
     model = T5(T5Config(**{**ckpt["model_config"], **overrides}))
-    return load_weights(model, ckpt["model"], "the checkpoint's weights do not match its model config")
+    return load_state_dict(model, ckpt["model"], "the checkpoint's weights do not match its config")
 
 # Hugging Face's format: transformers' T5ForConditionalGeneration, read and written
 
@@ -291,9 +293,9 @@ def hf_names(model):
         else:  # ln_f, shared, lm_head
             yield name, name.replace('ln_f', 'final_layer_norm')
 
-def from_pretrained(name_or_dir, **overrides):
-    """A gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5) from a Hub id or a folder with
-    config.json and model.safetensors (or pytorch_model.bin); overrides are T5Config fields."""
+def read_hf(name_or_dir):
+    """(T5Config, state dict in our names) of a gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt,
+    nanoT5) from a Hub id or a folder with config.json and model.safetensors (or pytorch_model.bin)"""
     folder = name_or_dir if os.path.isdir(name_or_dir) else download(name_or_dir)
     config_file = os.path.join(folder, 'config.json')
     with reading(config_file), open(config_file) as f:
@@ -302,7 +304,7 @@ def from_pretrained(name_or_dir, **overrides):
     if activation != 'gated-gelu':
         raise UserError(f"unsupported model {name_or_dir}: feed_forward_proj is {activation!r}, "
                         f"model.py implements gated-gelu T5s (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5)")
-    state_dict = read_weights(folder)
+    state_dict = read_weights_file(folder)
     names = [field.name for field in dataclasses.fields(T5Config)]
     values = {name: hf.get(HF_CONFIG_NAMES.get(name, name)) for name in names}
     fields = {name: value for name, value in values.items() if value is not None}
@@ -312,11 +314,18 @@ def from_pretrained(name_or_dir, **overrides):
     lm_head = state_dict.get('lm_head.weight', shared)
     fields['tie_word_embeddings'] = lm_head is shared or torch.equal(lm_head, shared)
     fields.setdefault('scale_decoder_outputs', hf.get('tie_word_embeddings', True))
-    model = T5(T5Config(**{**fields, **overrides}))
-    ours = {hf_name: name for name, hf_name in hf_names(model)}
+    config = T5Config(**fields)
+    with torch.device("meta"):
+        ours = {hf_name: name for name, hf_name in hf_names(T5(config))}
     state_dict = {ours.get(k, k): v for k, v in state_dict.items() if k not in HF_REDUNDANT}
     state_dict['lm_head.weight'] = lm_head
-    return load_weights(model, state_dict, f"weights in {folder} do not match its config.json")
+    return config, state_dict
+
+def from_pretrained(name_or_dir, **overrides):
+    """A T5 of Hugging Face's weights (read_hf); overrides are T5Config fields."""
+    config, state_dict = read_hf(name_or_dir)
+    model = T5(dataclasses.replace(config, **overrides))
+    return load_state_dict(model, state_dict, f"weights in {name_or_dir} do not match config.json")
 
 def save_pretrained(model, folder):
     """config.json and model.safetensors, which transformers' T5ForConditionalGeneration reads"""
@@ -351,7 +360,7 @@ def download(repo_id):
                         f"a local folder with config.json and model.safetensors (or pytorch_model.bin)")
     return folder
 
-def read_weights(folder):
+def read_weights_file(folder):
     """every tensor of the checkpoint in folder (sharded or not), safetensors preferred"""
     files = sorted(glob.glob(f'{folder}/*.safetensors')) or sorted(glob.glob(f'{folder}/pytorch_model*.bin'))
     if not files:
@@ -376,9 +385,12 @@ def find_weights(init_from):
     if os.path.isfile(os.path.join(init_from, "meta.json")):
         raise UserError(f"{init_from} is a prepared data folder, not a run: give it as --data_dir, and as "
                         f"--init_from a run's out_dir or Hugging Face weights")
-    if not os.path.exists(init_from) and os.path.isdir(os.path.dirname(init_from)):  # a path, not a Hub id
-        raise UserError(f"{init_from} does not exist: pass a run of train.py or finetune.py (its out_dir, "
-                        f"ckpt.pt or ckpt/), a folder with Hugging Face weights, or a Hub name")
+    out_dir = re.compile(rf"^out_dir = [\"']{re.escape(init_from.rstrip('/'))}[\"']", re.M)
+    made_by = [path for path in sorted(glob.glob("config/*.py")) if out_dir.search(open(path).read())]
+    if not os.path.exists(init_from) and (made_by or os.path.isdir(os.path.dirname(init_from))):  # a path
+        train = f" (`python train.py {made_by[0]}` trains it)" if made_by else ""
+        raise UserError(f"{init_from} does not exist{train}: pass a run of train.py or finetune.py (its "
+                        f"out_dir, ckpt.pt or ckpt/), a folder with Hugging Face weights, or a Hub name")
     require("safetensors", f"--init_from={init_from} (Hugging Face weights)")
     return None
 
@@ -401,41 +413,39 @@ def load_model(init_from, **overrides):
     with reading(path, "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"):
         return model_from_checkpoint(ckpt, **overrides), ckpt
 
-def start_model(weights, rt, fsdp=False, compile=False, dynamic=None, activation_checkpointing=False,
-                **overrides):
-    """(The model a run trains, wrapped by runtime.wrap_model, and the checkpoint of the run it starts
-    from or None.) weights: a T5Config (fresh weights), a resumed run's checkpoint, or what --init_from
-    names (a run, or Hugging Face weights); overrides are T5Config fields. Under FSDP no rank holds the
-    whole model: a resume reads each rank's own shards, and other weights are read by rank 0 alone,
-    which sends each rank its shards."""
-    model = ckpt = None
+def read_weights(source, rt, fsdp=False):
+    """(T5Config, weights for load_weights, the run's data meta or None) of what a run starts
+    from: a resumed checkpoint (a dict from load_checkpoint), or what init_from names, a run of
+    train.py or finetune.py (its out_dir, ckpt.pt or ckpt/) or Hugging Face weights (a Hub name or
+    folder). FSDP shards stay on disk, for each rank to read its own; whole weights, under FSDP,
+    rank 0 alone reads and sends each rank its slices (load_weights): the others get None."""
+    def of(ckpt):
+        return T5Config(**ckpt["model_config"]), ckpt.get("shards") or ckpt["model"], ckpt["meta"]
+    if isinstance(source, dict):  # this run's own checkpoint
+        return of(source)
+    print0(f"a new run from the weights of {source} (--init_from=resume continues a run)")
+    path = find_weights(source)
+    if fsdp and path and not path.endswith(".pt"):  # shards: each rank reads its own
+        return of(load_checkpoint(path, weights=False))
+    config = weights = meta = None
+    if rt.master or not fsdp:
+        config, weights, meta = of(load_checkpoint(path)) if path else (*read_hf(source), None)
+    if fsdp:  # the other ranks get rank 0's config and meta, not its weights
+        shared = [(config, meta)]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        config, meta = shared[0]
+    return config, weights, meta
+
+def load_weights(model, weights):
+    """Weights into a placed model (runtime.wrap_model): from a folder of FSDP shards, each rank
+    reading its own slices; or a whole state dict, which under FSDP only rank 0 holds: it sends each
+    rank its slices."""
     if isinstance(weights, str):
-        print0(f"a new run from the weights of {weights} (--init_from=resume continues a run)")
-    if isinstance(weights, T5Config):
-        config = weights
-    elif isinstance(weights, dict):  # a resume
-        config = T5Config(**{**weights["model_config"], **overrides})
-        if not fsdp:
-            model = model_from_checkpoint(weights, **overrides)
-    elif rt.master or not fsdp:
-        model, ckpt = load_model(weights, **overrides)
-        config = model.config
-    if not fsdp and model is not None:
-        return wrap_model(model, rt, False, compile, dynamic, activation_checkpointing), ckpt
-    if fsdp and isinstance(weights, str):  # the config, and the checkpoint but its weights, from rank 0
-        found = [(config, {k: v for k, v in ckpt.items() if k != "model"} if ckpt else None)
-                 if rt.master else None]
-        torch.distributed.broadcast_object_list(found, src=0)
-        config, ckpt = found[0]
-    with torch.device("meta"):
-        t5 = T5(config)
-    wrapped = wrap_model(t5, rt, fsdp, compile, dynamic, activation_checkpointing,
-                         init=isinstance(weights, T5Config))
-    if isinstance(weights, dict):
-        state = {"model": get_model_state_dict(t5)}
-        dcp.load(state, checkpoint_id=weights["shards"])
-        set_model_state_dict(t5, state["model"])
-    elif isinstance(weights, str):
+        state = {"model": get_model_state_dict(model)}  # the layout to fill
+        dcp.load(state, checkpoint_id=weights)
+        set_model_state_dict(model, state["model"])
+    elif isinstance(model, FSDPModule):
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(t5, model.state_dict() if rt.master else {}, options=options)
-    return wrapped, ckpt
+        set_model_state_dict(model, weights or {}, options=options)
+    else:
+        load_state_dict(model, weights, "the checkpoint's weights do not match its model config")

@@ -173,7 +173,7 @@ class SpanCorruptionBatches:
         return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device)
 
 class Prefetcher:
-    """get(step): this rank's micro-batches of step for optim.train_step, grad_accum_steps dicts of
+    """get(step): this rank's micro-batches of step for the training loop, grad_accum_steps dicts of
     input_ids and labels. A thread builds step + 1's while the caller runs step (the order of
     steps is known: no DataLoader workers), and on CUDA pins them: the copy to the GPU is async."""
     def __init__(self, data, grad_accum_steps, rank, world_size, device):

@@ -8,7 +8,9 @@ instances per task).
     torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True
 """
 import errors  # first: from here on an error, or Ctrl-C, is one line, not a traceback
+import dataclasses
 import json
+import math
 import os
 import random
 import string
@@ -21,14 +23,23 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-from checkpoint import (check_init_from, check_resume, checkpoint_state, claim_out_dir, load_checkpoint,
-                        restore_state, save_checkpoint, start_model)
+from checkpoint import (check_init_from, check_resume, claim_out_dir, load_checkpoint, load_weights,
+                        read_weights, restore_state, run_state, save_checkpoint)
 from data import micro_batch_size
 from files import UserError, atomic_write, reading, reason
-from optim import check_optimizer, make_optimizer, param_groups, train_step
+from model import T5
+from optim import check_optimizer, make_optimizer, param_groups
 from prepare import load_tokenizer
-from runtime import (DTYPES, Logger, Sync, check_device, check_fsdp, check_wandb, print0, raw_model,
-                     setup_runtime)
+from runtime import (DTYPES, Logger, Sync, check_device, check_fsdp, check_wandb, print0,
+                     setup_runtime, wrap_model)
+
+def sni_split(data_dir, split="test"):
+    """the file that lists the tasks of SNI's default split, in data_dir; the rule for data_dir"""
+    path = os.path.join(data_dir, "splits", "default", f"{split}_tasks.txt")
+    if not os.path.isfile(path):
+        raise UserError(f"no SNI split file {path}: get the data with "
+                        f"`git clone https://github.com/allenai/natural-instructions {data_dir}`")
+    return path
 
 # -------------------------------------------------------------------------------------------------
 # default config: nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data
@@ -41,7 +52,7 @@ eval_only = False  # only evaluate init_from on the test tasks
 wandb_log = False
 wandb_project = "nanoT5"
 wandb_run_name = "finetune"
-valid.update(data_dir="folder", init_from=check_init_from, out_dir="folder", eval_only="any",
+valid.update(data_dir=sni_split, init_from=check_init_from, out_dir="folder", eval_only="any",
              wandb_log=check_wandb, wandb_project="non-empty", wandb_run_name="any")
 # data
 max_num_instances_per_task = 100
@@ -101,10 +112,7 @@ def read_task(path):
 
 def load_split(data_dir, split, max_num_instances_per_task, seed):
     """SNI's default train or test split, a dict per example; one warning names the tasks skipped."""
-    split_file = os.path.join(data_dir, "splits", "default", f"{split}_tasks.txt")
-    if not os.path.isfile(split_file):
-        raise UserError(f"no SNI split file {split_file}: get the data with "
-                        f"`git clone https://github.com/allenai/natural-instructions {data_dir}`")
+    split_file = sni_split(data_dir, split)
     not_text = f"{{path}} is not UTF-8 text ({{reason}}): is {data_dir} a clone of allenai/natural-instructions?"
     with reading(split_file, not_text), open(split_file, encoding="utf-8") as f:
         task_names = [line.strip() for line in f if line.strip()]
@@ -228,16 +236,17 @@ if __name__ == "__main__":
     resuming = init_from == "resume"
     claim_out_dir(out_dir, rt, fresh=not resuming, program="finetune.py")  # held till exit
 
-    # the model, and the tokenizer it was pre-trained with
+    # the model, and the tokenizer it was pre-trained with: this run's checkpoint, or init_from's
     ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a folder of shards
+    resumed = None
     if resuming:
-        ckpt = load_checkpoint(ckpt_path, program="finetune.py", weights=not fsdp)
-        check_resume(ckpt, ckpt_path, config, ckpt["meta"], fixed=("optimizer",))
-        train_model, _ = start_model(ckpt, rt, fsdp, compile, dynamic=True, dropout=dropout)
-    else:  # on the device: sharded, compiled, in DDP as configured
-        train_model, ckpt = start_model(init_from, rt, fsdp, compile, dynamic=True, dropout=dropout)
-    model = raw_model(train_model)
-    meta = ckpt["meta"] if ckpt is not None else None
+        resumed = load_checkpoint(ckpt_path, program="finetune.py", weights=not fsdp)
+        check_resume(resumed, ckpt_path, config, resumed["meta"], fixed=("optimizer",))
+    t5_config, weights, meta = read_weights(resumed or init_from, rt, fsdp)
+    with torch.device("meta"):
+        model = T5(dataclasses.replace(t5_config, dropout=dropout))
+    train_model = wrap_model(model, rt, fsdp, compile, dynamic=True)  # batches of many lengths
+    load_weights(model, weights)
     tokenizer = load_tokenizer(meta, init_from)
     print0(f"{model.num_params() / 1e6:.1f}M parameters from {init_from}")
 
@@ -259,13 +268,11 @@ if __name__ == "__main__":
                         f"lower batch_size or raise max_num_instances_per_task")
     max_steps = 0 if eval_only else max_steps or epochs * steps_per_epoch
 
-    step = ckpt["step"] if resuming else 0  # optimizer steps done
-    elapsed = ckpt["elapsed"] if resuming else 0.0
-    if not eval_only:
-        opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr)
-        if resuming:
-            restore_state(ckpt, train_model, opt)
-    ckpt = None  # free the checkpoint's copy of the weights
+    opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr)
+    step, elapsed = restore_state(resumed, model, opt)  # optimizer steps done, seconds
+    for group in opt.param_groups:
+        group["lr"].fill_(lr)  # a resume's --lr, not its checkpoint's
+    weights = resumed = None  # free the checkpoint's copy of the weights
     logger = Logger(out_dir, rt.master, resume_step=step if resuming else None, config=config)
 
     @lru_cache(maxsize=1)
@@ -275,8 +282,8 @@ if __name__ == "__main__":
         return torch.randperm(len(train_examples), generator=generator).tolist()
 
     def micro_batches(step):
-        """this rank's share of the batch of step for train_step: grad_accum_steps dicts of
-        input_ids, labels and attention_mask"""
+        """this rank's share of the batch of step: grad_accum_steps dicts of input_ids, labels and
+        attention_mask"""
         epoch, i = divmod(step, steps_per_epoch)
         batches = []
         for micro_step in range(grad_accum_steps):
@@ -315,25 +322,40 @@ if __name__ == "__main__":
     model.train()
     t_log = time.time()
     steps_since_log = 0
-    stop = False
-    while step < max_steps and not stop:
-        loss, grad_norm = train_step(train_model, opt, micro_batches(step), lr, grad_clip, rt.autocast)
+    last_step = step >= max_steps
+    while not last_step:
+        # forward and backward over this rank's micro-batches, the gradients summed; clip; update
+        train_loss = 0.0
+        for micro_step, batch in enumerate(micro_batches(step)):
+            if rt.ddp and not fsdp:  # DDP all-reduces the gradients once, after the last micro-step
+                train_model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+            with rt.autocast():
+                _, loss = train_model(**batch)
+            (loss / grad_accum_steps).backward()
+            train_loss += loss.detach() / grad_accum_steps
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+        if fsdp:
+            grad_norm = grad_norm.full_tensor()  # the norm of all ranks' slices together
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         step += 1
         steps_since_log += 1
-        sync.watch(loss, grad_norm)
-        if step % log_interval == 0 or step % checkpoint_interval == 0 or step == max_steps:
-            loss, stop = sync.agree(step, loss)  # a signal stops; a NaN ends the run unsaved
+        sync.watch(train_loss, grad_norm)
+        last_step = step == max_steps
+        if step % log_interval == 0 or step % checkpoint_interval == 0 or last_step:
+            agreed = sync.agree(step, train_loss)  # a signal stops; a NaN ends the run unsaved
+            last_step = last_step or agreed.signalled
             dt = (time.time() - t_log) / steps_since_log
             t_log = time.time()
             steps_since_log = 0
-            logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss, "lr": lr,
-                        "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt, "elapsed": sync.elapsed})
-            print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | loss {loss:.4f} | "
-                   f"grad norm {grad_norm.item():.3f} | {1000 * dt:.0f} ms/step | "
-                   f"eta {(max_steps - step) * dt / 3600:.2f} h")
-            if stop or step % checkpoint_interval == 0 or step == max_steps:
-                state = checkpoint_state(train_model, opt, step, sync.elapsed, config, meta,
-                                         "finetune.py")
+            logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": agreed.mean_loss,
+                        "lr": lr, "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt,
+                        "elapsed": agreed.elapsed})
+            print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | "
+                   f"loss {agreed.mean_loss:.4f} | grad norm {grad_norm.item():.3f} | "
+                   f"{1000 * dt:.0f} ms/step | eta {(max_steps - step) * dt / 3600:.2f} h")
+            if last_step or step % checkpoint_interval == 0:
+                state = run_state(model, opt, step, agreed.elapsed, config, meta, "finetune.py")
                 with sync.paused():
                     save_checkpoint(ckpt_path, state)
         if eval_interval and step % eval_interval == 0 and step < max_steps:

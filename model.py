@@ -307,7 +307,10 @@ class T5(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied lm_head once
 
-    def compute_dtype(self, device):  # the activations': autocast's inside autocast, else the weights'
+    def compute_dtype(self, device):
+        # the activations' dtype (autocast's, else the weights'), in which forward builds the masks
+        # once for all layers: SDPA's fused kernels take a float mask in q's dtype, and a cast per
+        # layer would copy the mask in every layer
         autocast = torch.is_autocast_enabled(device.type)
         return torch.get_autocast_dtype(device.type) if autocast else self.shared.weight.dtype
 

@@ -420,12 +420,15 @@ def _read_meta(path):
             raise KeyError(missing[0])
     return meta
 
-def load_meta(data_dir):
-    """meta.json of a complete prepared folder, with data_dir, source, train_shards and counts"""
+def load_meta(data_dir, settings=None):
+    """meta.json of a complete prepared folder, with data_dir, source, train_shards and counts.
+    settings: what the caller wants there (prepare()'s), for the command that prepares it."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        raise UserError(f"{data_dir} holds no prepared data (no meta.json): run e.g. `python prepare.py "
-                        f"--dataset=c4 --out_dir={data_dir}` or `python prepare.py --dataset=pydoc "
-                        f"--tokenizer=train --vocab_size=1000 --out_dir={data_dir}`")
+        pydoc = dict(dataset="pydoc", tokenizer="train", vocab_size=1000)
+        commands = [prepare_command(made_with, data_dir) for made_with in
+                    ([settings] if settings else [dict(dataset="c4"), pydoc])]
+        raise UserError(f"{data_dir} holds no prepared data (no meta.json): prepare it with "
+                        + " or ".join(f"`{command}`" for command in commands))
     meta = _read_meta(os.path.join(data_dir, "meta.json"))
     if not meta["complete"]:
         raise UserError(f"{data_dir} is not completely prepared: finish it with "

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
@@ -156,11 +157,6 @@ def setup_runtime(device="auto", dtype="bfloat16", seed=1337):
 
 # the model as it trains: one process, DDP, or FSDP
 
-def raw_model(model):
-    """the T5 inside any DDP and torch.compile wrappers: no 'module.' or '_orig_mod.' in its names"""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
-
 def shard_model(model, rt):
     """FSDP2 on the T5 in place, one group for each part that runs as one, gathered just before it runs:
     each relative_attention_bias table (read before the blocks run); each block, cross-attention's k, v
@@ -185,48 +181,48 @@ def shard_model(model, rt):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     register_fsdp_forward_method(model, "generate")
 
+def wrap_model(model, rt, fsdp=False, compile=False, activation_checkpointing=False, dynamic=None):
+    """The T5 built on the meta device, placed for training, its weights still to be made
+    (draw_weights, checkpoint.load_weights). With FSDP each rank materialises only its own shards,
+    and torch.compile compiles each block, as torchtitan does, so that FSDP's hooks between the
+    blocks stay out of the graphs; without, the model is whole on the device, compiled, and in DDP
+    under torchrun. Returns what the loop calls: the T5 itself (FSDP shards it in place), or its
+    compiled or DDP wrapper."""
+    model.encoder.activation_checkpointing = activation_checkpointing
+    model.decoder.activation_checkpointing = activation_checkpointing
+    if fsdp:
+        if compile:
+            for block in [*model.encoder.blocks, *model.decoder.blocks]:
+                block.compile(dynamic=dynamic)
+        shard_model(model, rt)
+        return model.to_empty(device=rt.device)
+    model.to_empty(device=rt.device)
+    model.tie_weights()  # to_empty made lm_head a tensor of its own
+    if compile:
+        model = torch.compile(model, dynamic=dynamic)
+    if rt.ddp:  # no broadcast of the empty weights: every rank draws or loads the same ones
+        device_ids = [rt.local_rank] if rt.device_type == "cuda" else None
+        model = DDP(model, device_ids=device_ids, init_sync=False)
+    return model
+
 @torch.no_grad()
-def init_shards(model):
-    """each rank's slices of the weights one process would draw: each tensor drawn whole on the host,
-    from the same seed and in the same order, then sliced; never more than one tensor whole"""
+def draw_weights(model):
+    """The weights T5(config) draws (init_parameter), into a placed model: each tensor drawn whole
+    on the host from the same seed and in the same order, then copied to the device, so that every
+    device and number of ranks starts from the same weights. Under FSDP each rank keeps only its own
+    slice, and never holds more than one tensor whole."""
     for name, p in model.named_parameters():
         whole = torch.empty(p.shape)
         model.init_parameter(name, whole)
-        mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
-        p.to_local().copy_(mine.to_local())
-
-def wrap_model(model, rt, fsdp=False, compile=False, dynamic=None, activation_checkpointing=False,
-               init=False):
-    """The model on the device: sharded, compiled or in DDP as asked; the optimizer takes raw_model.
-    init: the model comes on the meta device, and its weights are drawn here, on the host, the same
-    with FSDP or without. Under FSDP (on the meta device, init or not) each rank materialises only its
-    own shards, and torch.compile compiles each block, as torchtitan does, so that FSDP's hooks
-    between the blocks stay out of the graphs."""
-    model.encoder.activation_checkpointing = activation_checkpointing
-    model.decoder.activation_checkpointing = activation_checkpointing
-    if not fsdp:
-        if init:
-            model.to_empty(device="cpu")
-            model.tie_weights()
-            model.init_weights()
-        model.to(rt.device)
-        if compile:
-            model = torch.compile(model, dynamic=dynamic)
-        if rt.ddp:
-            model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
-        return model
-    if compile:
-        for block in [*model.encoder.blocks, *model.decoder.blocks]:
-            block.compile(dynamic=dynamic)
-    shard_model(model, rt)
-    model.to_empty(device=rt.device)
-    if init:
-        init_shards(model)
-    return model
+        if isinstance(p, DTensor):
+            mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(mine.to_local())
+        else:
+            p.copy_(whole)
 
 def print_memory(model, optimizer, rt):
-    """after the first step: what rank 0 holds of weights and optimizer state; a GPU's peak"""
-    tensors = [*raw_model(model).parameters(),
+    """after the first step: what rank 0 holds of the weights and optimizer state; a GPU's peak"""
+    tensors = [*model.parameters(),
                *(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
     state_bytes = sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
     print0(f"parameters + optimizer state: {state_bytes / 2**20:.2f} MiB on rank 0")
@@ -274,22 +270,22 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log(record, step=record.get("step"))
 
-class Sync:
-    """Where the ranks agree, at the loop's log and checkpoint steps, in one all-reduce: a stop signal,
-    whether a loss or grad norm was NaN or inf, rank 0's clock (training seconds over resumes, less
-    time in paused()) and the mean loss. In between nothing waits for the device or another rank,
-    yet every rank stops at the same step."""
+Agreed = namedtuple("Agreed", "mean_loss elapsed signalled")
 
-    def __init__(self, rt, ckpt_path, step, elapsed=0.0, budget_s=0.0):
+class Sync:
+    """Where the ranks agree, at the loop's sync steps, in one all-reduce: the loss averaged over
+    the ranks, whether a loss or grad norm since the last sync was NaN or inf (watch), whether
+    SIGINT or SIGTERM came to any rank, and rank 0's clock (training seconds over resumes, less time
+    in paused()). In between, nothing waits for the device or another rank, and clock(step)
+    extrapolates the same on every rank."""
+
+    def __init__(self, rt, ckpt_path, step, elapsed=0.0):
         self.rt = rt
         self.ckpt_path = ckpt_path
-        self.budget_s = budget_s
-        # agreed at the last sync point
-        self.step = step
+        self.step = step  # the last sync step, and what was agreed there
         self.elapsed = elapsed
         self.per_step = 0.0
-        # this rank's own since then
-        self.mark = time.time()
+        self.mark = time.time()  # this rank's own since then
         self.paused_s = 0.0
         self.nonfinite = 0
         self.signalled = False
@@ -311,33 +307,30 @@ class Sync:
         self.nonfinite = self.nonfinite + ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
 
     def agree(self, step, loss):
-        """The all-reduce of a sync point: (the mean loss, whether to stop now: a signal came, or the
-        time budget is spent). Raises UserError if a loss or grad norm since the last was NaN or inf."""
+        """At a sync step: Agreed(mean_loss, elapsed, signalled), the same on every rank. A NaN or
+        inf since the last sync ends the run before it could save."""
         now = time.time()
-        clock_s = self.elapsed + now - self.mark - self.paused_s  # rank 0's is the one used
-        self.mark = now
-        self.paused_s = 0.0
+        elapsed = self.elapsed + now - self.mark - self.paused_s  # rank 0's is the one used
+        self.mark, self.paused_s = now, 0.0
         device = loss.device if self.rt.ddp else "cpu"  # the backend's device; and MPS has no float64
-        from_device = torch.stack([self.nonfinite.float(), loss.detach().float() / self.rt.world_size])
-        from_host = torch.tensor([self.signalled, clock_s * self.rt.master], dtype=torch.float64)
+        from_device = torch.stack([self.nonfinite.float(), loss.float() / self.rt.world_size])
+        from_host = torch.tensor([self.signalled, elapsed * self.rt.master], dtype=torch.float64)
         shared = torch.cat([from_device.to(device).double(), from_host.to(device)])
         if self.rt.ddp:
-            torch.distributed.all_reduce(shared)  # a sum: a flag raised anywhere, rank 0's clock, mean loss
-        nonfinite, loss, signalled, clock_s = shared.tolist()  # the one wait for the device
+            torch.distributed.all_reduce(shared)  # a sum: any rank's flags, rank 0's clock, the mean
+        nonfinite, mean_loss, signalled, elapsed = shared.tolist()  # the one wait for the device
         if nonfinite:
+            kept = "no checkpoint was written yet; start again"
             if os.path.exists(self.ckpt_path):
                 kept = f"{self.ckpt_path} (the last good checkpoint) is untouched; resume from it"
-            else:
-                kept = "no checkpoint was written yet; start again"
             raise UserError(f"the loss or grad norm became NaN or inf between steps {self.step + 1} and {step}: "
                             f"training diverged; {kept} with a lower lr or grad_clip")
         self.nonfinite = 0
-        self.per_step = (clock_s - self.elapsed) / (step - self.step)
-        self.step = step
-        self.elapsed = clock_s
+        self.per_step = (elapsed - self.elapsed) / (step - self.step)
+        self.step, self.elapsed = step, elapsed
         if signalled:
             print0(f"stopped by signal at step {step}: continue with --init_from=resume")
-        return loss, bool(signalled) or 0 < self.budget_s <= clock_s
+        return Agreed(mean_loss, elapsed, bool(signalled))
 
     def release(self):
         """gives SIGINT and SIGTERM back: after the loop, Ctrl-C stops the program at once"""

@@ -36,15 +36,19 @@ def test_bench_train_tiny():
 def run_out_of_memory(monkeypatch, fails):
     """make the training step raise torch.OutOfMemoryError when fails(micro-batch) is true; returns the micro-batch
     of every step tried"""
-    tried, train_step = [], bench.train_step
+    tried, training_step = [], bench.training_step
 
-    def step(model, optimizer, micro_batches, *args, **kwargs):
-        micro_batch = len(micro_batches[0]["input_ids"])
-        tried.append(micro_batch)
-        if fails(micro_batch):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
-        return train_step(model, optimizer, micro_batches, *args, **kwargs)
-    monkeypatch.setattr(bench, "train_step", step)
+    def patched(net, rt, next_batch, *args, **kwargs):
+        step = training_step(net, rt, next_batch, *args, **kwargs)
+
+        def checked():
+            micro_batch = len(next_batch()[0]["input_ids"])
+            tried.append(micro_batch)
+            if fails(micro_batch):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+            return step()
+        return checked
+    monkeypatch.setattr(bench, "training_step", patched)
     return tried
 
 

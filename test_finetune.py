@@ -17,7 +17,7 @@ import torch
 from finetune import (build_prompt, collate, compute_metrics, exact_match, generate_predictions, load_split, rouge_l,
                       tokenize_example)
 from model import T5, T5Config, UserError
-from checkpoint import checkpoint_state, save_checkpoint, save_pretrained
+from checkpoint import run_state, save_checkpoint, save_pretrained
 from prepare import prepare
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -88,7 +88,7 @@ def ckpt_path(tmp_path_factory):
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters())
     path = str(root / "ckpt.pt")
-    save_checkpoint(path, checkpoint_state(model, optimizer, 0, 0.0, {}, meta))
+    save_checkpoint(path, run_state(model, optimizer, 0, 0.0, {}, meta))
     return path
 
 

@@ -168,8 +168,8 @@ import collections, json, sys
 sys.path.insert(0, {repo!r})
 import torch
 from model import T5, T5Config
-from optim import AdamWScale, train_step
-from runtime import Runtime, setup_runtime, wrap_model
+from optim import AdamWScale
+from runtime import Runtime, draw_weights, setup_runtime, wrap_model
 
 setup_runtime("cpu", "float32", seed=0)  # joins the process group
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -190,12 +190,19 @@ def losses(dtype, fsdp, activation_checkpointing, steps=3):
     torch.manual_seed(0)
     with torch.device("meta"):
         t5 = T5(config)
-    model = wrap_model(t5, rt, fsdp, activation_checkpointing=activation_checkpointing, init=True)
+    model = wrap_model(t5, rt, fsdp, activation_checkpointing=activation_checkpointing)
+    draw_weights(t5)
     opt = AdamWScale(model.parameters(), lr=1e-2)
     gathers.clear()
     out = []
-    for _ in range(steps):
-        loss, _ = train_step(model, opt, [mine if fsdp else batch], 1e-2, 1.0, rt.autocast)
+    for _ in range(steps):  # train.py's step, of one micro-step
+        with rt.autocast():
+            _, loss = model(**(mine if fsdp else batch))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(t5.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
         if fsdp:  # the mean over the ranks' halves of the batch
             torch.distributed.all_reduce(loss)
             loss /= world

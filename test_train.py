@@ -200,9 +200,8 @@ def test_bad_input_under_torchrun_reaches_the_user(data_dir):
     assert r.returncode != 0
     assert "[rank0]: error: /nonexistent/c4 holds no prepared data" in r.stderr, r.stderr
     assert "ChildFailedError" in r.stderr  # torchrun's report comes first
-    assert r.stderr.strip().splitlines()[-1] == ("error: /nonexistent/c4 holds no prepared data (no meta.json): run "
-                                                 "e.g. `python prepare.py --dataset=c4 --out_dir=/nonexistent/c4` or "
-                                                 "`python prepare.py --dataset=pydoc --tokenizer=train "
+    assert r.stderr.strip().splitlines()[-1] == ("error: /nonexistent/c4 holds no prepared data (no meta.json): "
+                                                 "prepare it with `python prepare.py --dataset=c4 --tokenizer=train "
                                                  "--vocab_size=1000 --out_dir=/nonexistent/c4`")
 
 
@@ -220,20 +219,28 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
 
 
 # train.py run through runpy under a few patches, for what only timing or a fault shows: rank 0's checkpoint writes
-# made slow, NaN losses injected, and on every rank the lr of each step and the collectives called written to
-# out_dir/rank<r>.json with the step the rank stopped at
+# made slow, NaN losses injected where the ranks watch for them, and on every rank the lr of each step and the
+# collectives called written to out_dir/rank<r>.json with the step the rank stopped at
 PATCHED_TRAIN = """
-import inspect, json, math, os, runpy, sys, time
+import json, math, os, runpy, sys, time
 sys.path.insert(0, {repo!r})
-import checkpoint, optim, torch
+import checkpoint, optim, runtime, torch
 rank = int(os.environ.get("RANK", 0))
-lrs, collectives = [], [0]
-train_step, save_checkpoint = optim.train_step, checkpoint.save_checkpoint
+lrs, collectives, watched = [], [0], [0]
+make_optimizer, watch, save_checkpoint = optim.make_optimizer, runtime.Sync.watch, checkpoint.save_checkpoint
 
-def recording_train_step(*args, **kwargs):
-    lrs.append(inspect.signature(train_step).bind(*args, **kwargs).arguments["lr"])
-    loss, grad_norm = train_step(*args, **kwargs)
-    return (loss * math.nan if len(lrs) in {nan_calls} else loss), grad_norm
+def recording_make_optimizer(*args, **kwargs):
+    optimizer = make_optimizer(*args, **kwargs)
+    step = optimizer.step
+    def recorded_step():
+        lrs.append(optimizer.param_groups[0]["lr"].item())
+        step()
+    optimizer.step = recorded_step
+    return optimizer
+
+def nan_watch(self, loss, grad_norm):
+    watched[0] += 1
+    watch(self, loss * math.nan if watched[0] in {nan_calls} else loss, grad_norm)
 
 def slow_save_checkpoint(path, state):
     if rank == 0:
@@ -246,7 +253,8 @@ def counting(collective):
         return collective(*args, **kwargs)
     return counted
 
-optim.train_step, checkpoint.save_checkpoint = recording_train_step, slow_save_checkpoint
+optim.make_optimizer, runtime.Sync.watch, checkpoint.save_checkpoint = (recording_make_optimizer, nan_watch,
+                                                                        slow_save_checkpoint)
 torch.distributed.all_reduce = counting(torch.distributed.all_reduce)
 torch.distributed.broadcast = counting(torch.distributed.broadcast)
 sys.argv = ["train.py", *sys.argv[1:]]

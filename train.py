@@ -6,6 +6,8 @@ Pre-trains T5 v1.1 with span corruption: nanoT5's recipe as one flat loop, read 
     python train.py config/t5_tiny.py                                    # the CPU demo
 """
 import errors  # first: from here on an error, or Ctrl-C, is one line, not a traceback
+import dataclasses
+import math
 import os
 import time
 
@@ -14,8 +16,8 @@ import torch
 import checkpoint
 import runtime
 from data import Prefetcher, SpanCorruptionBatches, micro_batch_size, span_accuracy, unigram_baseline
-from model import T5Config
-from optim import LR_SCHEDULES, check_optimizer, get_lr, make_optimizer, param_groups, train_step
+from model import T5, T5Config
+from optim import LR_SCHEDULES, check_optimizer, get_lr, make_optimizer, param_groups
 from prepare import MAX_VOCAB_SIZE, load_tokenizer
 from runtime import print0
 
@@ -93,32 +95,36 @@ micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
 meta = checkpoint.open_data_dir(config, given_at, rt)  # the data, prepared, as the keys describe it
 tok = load_tokenizer(meta)
 ckpt_path = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")  # FSDP: a folder of shards
-ckpt = checkpoint.open_out_dir(ckpt_path, config, meta, rt)  # out_dir is ours; resume: its checkpoint
+resumed = checkpoint.open_out_dir(ckpt_path, config, meta, rt)  # out_dir ours; resume: its checkpoint
 
-# the model: from scratch, or from weights: this run's checkpoint, or other weights (a run's, HF's)
+# the model: T5(config) on the meta device, its shapes with no memory yet; placed on the device
+# (sharded, compiled, in DDP), it gets its weights: drawn fresh, or read from what it starts from
 if init_from == "scratch":
-    weights = T5Config.from_preset(model, vocab_size=meta["model_vocab_size"], dropout=dropout)
+    t5_config, weights = T5Config.from_preset(model, vocab_size=meta["model_vocab_size"]), None
+else:  # this run's checkpoint, or the weights init_from names (a run's, Hugging Face's)
+    t5_config, weights, _ = checkpoint.read_weights(resumed or init_from, rt, fsdp)
+with torch.device("meta"):
+    t5 = T5(dataclasses.replace(t5_config, dropout=dropout))  # dropout ours: HF's configs say 0.1
+train_t5 = runtime.wrap_model(t5, rt, fsdp, compile, activation_checkpointing)  # the loop calls it
+if weights is None:
+    runtime.draw_weights(t5)  # as one process draws them, on any device and number of ranks
 else:
-    weights = ckpt if ckpt is not None else init_from
-# on the device: sharded, compiled, in DDP as configured; dropout ours (Hugging Face's configs say 0.1)
-t5, _ = checkpoint.start_model(weights, rt, fsdp, compile, activation_checkpointing=activation_checkpointing,
-                               dropout=dropout)
-raw_t5 = runtime.raw_model(t5)  # the T5 inside DDP and torch.compile: its config, generate, weights
-print0(f"{raw_t5.num_params() / 1e6:.1f}M parameters")
-opt = make_optimizer(optimizer, param_groups(raw_t5, weight_decay), lr)
+    checkpoint.load_weights(t5, weights)  # under FSDP, each rank its own slices
+print0(f"{t5.num_params() / 1e6:.1f}M parameters")
+opt = make_optimizer(optimizer, param_groups(t5, weight_decay), lr, compile)
 # resuming, the optimizer state and the RNG; the steps done, and the training seconds (for a budget)
-step, elapsed = checkpoint.restore_state(ckpt, t5, opt)
-ckpt = None  # free the checkpoint's copy of the weights
+step, elapsed = checkpoint.restore_state(resumed, t5, opt)
+weights = resumed = None  # free the checkpoint's copy of the weights
 
 # span-corrupted batches: step k's global batch is a function of (seed, k); a rank builds its slice
 span_corruption = dict(batch_size=batch_size, input_length=input_length, noise_density=noise_density,
                        mean_noise_span_length=mean_noise_span_length, seed=seed,
-                       vocab_size=raw_t5.config.vocab_size)
+                       vocab_size=t5.config.vocab_size)
 train_data = SpanCorruptionBatches(data_dir, "train", **span_corruption)
 val_data = SpanCorruptionBatches(data_dir, "val", **span_corruption)
 train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank, rt.world_size, rt.device)
 tokens_per_step = batch_size * (input_length + train_data.targets_length)
-step_flops = runtime.flops_per_step(raw_t5, batch_size, input_length, train_data.targets_length)
+step_flops = runtime.flops_per_step(t5, batch_size, input_length, train_data.targets_length)
 print0(f"{batch_size} examples x ({input_length} input + {train_data.targets_length} target) tokens = "
        f"{tokens_per_step:,} tokens/step, {micro_batch} per micro-step on each of {rt.world_size} rank(s)")
 # the span accuracy of a model that ignores its input
@@ -134,13 +140,13 @@ peak = rt.peak_flops(peak_flops)
 @torch.no_grad()
 def evaluate():
     """On the fixed val batches: val_loss, val_acc (next token), span_acc; the examples filled in"""
-    t5.eval()
+    train_t5.eval()
     sums = {name: torch.zeros((), device=rt.device) for name in ("loss", "accuracy", "spans_right", "spans")}
     for i in range(eval_steps):
         for micro_step in range(grad_accum_steps):
             input_ids, labels = val_data.get(i, micro_step, grad_accum_steps, rt.rank, rt.world_size, rt.device)
             with rt.autocast():
-                logits, loss = t5(input_ids, labels=labels)
+                logits, loss = train_t5(input_ids, labels=labels)
             spans_right, spans = span_accuracy(logits, labels, meta["first_sentinel_id"])
             sums["loss"] += loss.float()
             sums["accuracy"] += (logits.argmax(-1) == labels).float().mean()
@@ -151,55 +157,71 @@ def evaluate():
         torch.distributed.all_reduce(summed)
         sums = dict(zip(sums, summed))
     with rt.autocast():  # every rank decodes all steps (FSDP gathers each block on all ranks), rank 0 shows
-        fills = raw_t5.generate(demo_inputs, max_new_tokens=demo_tokens, all_steps=fsdp)
-    t5.train()
+        fills = t5.generate(demo_inputs, max_new_tokens=demo_tokens, all_steps=fsdp)
+    train_t5.train()
     batches = eval_steps * grad_accum_steps * rt.world_size
     return dict(val_loss=sums["loss"].item() / batches, val_acc=sums["accuracy"].item() / batches,
                 span_acc=(sums["spans_right"] / sums["spans"]).item(),
                 examples=[tok.show_fill(*ids) for ids in zip(demo_inputs.cpu(), fills.cpu(), demo_labels.cpu())])
 
-# the loop. The ranks agree at sync points only (the log and checkpoint steps, the first and the
-# last): there a signal or a spent time budget stops them together, and a NaN ends the run unsaved
-sync = runtime.Sync(rt, ckpt_path, step, elapsed, time_budget_hours * 3600)
-t5.train()
+# the loop, one optimizer step at a time. The ranks agree only at sync steps (the log and checkpoint
+# steps, the first and the last): in between, nothing waits for the GPU or another rank
+sync = runtime.Sync(rt, ckpt_path, step, elapsed)  # where they agree: signals, the clock, NaNs
+budget_s = time_budget_hours * 3600
+train_t5.train()
 start_step = step
 t_log = time.time()
 steps_since_log = 0
 last_step = False
 while not last_step:
-    # the schedule's progress: the share of the run done, in steps of max_steps. Without a time
-    # budget this step's number; under one, the training time spent, as a share of the budget
-    progress = sync.clock(step) / sync.budget_s * max_steps if sync.budget_s else step + 1
-    lr_now = get_lr(progress, max_steps, lr_schedule, lr, warmup_steps, warmup_start_factor, min_lr)
-    micro_batches = train_batches.get(step)  # this rank's share of the step's batch
-    loss, grad_norm = train_step(t5, opt, micro_batches, lr_now, grad_clip, rt.autocast)
+    # where the schedule is, in steps: this step's number; under a time budget, the share of the
+    # budget spent, times max_steps
+    schedule_step = sync.clock(step) / budget_s * max_steps if budget_s else step + 1
+    lr_now = get_lr(schedule_step, max_steps, lr_schedule, lr, warmup_steps, warmup_start_factor,
+                    min_lr)
+    for group in opt.param_groups:
+        group["lr"].fill_(lr_now)  # in place: a compiled optimizer step does not compile again
+    # forward and backward over this rank's micro-batches, the gradients summed; clip; update
+    train_loss = 0.0  # this rank's: the mean over its micro-batches
+    for micro_step, batch in enumerate(train_batches.get(step)):
+        if rt.ddp and not fsdp:  # DDP all-reduces the gradients once, after the last micro-step
+            train_t5.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+        with rt.autocast():
+            _, loss = train_t5(**batch)
+        (loss / grad_accum_steps).backward()  # FSDP reduce-scatters at each: gradients stay sharded
+        train_loss += loss.detach() / grad_accum_steps
+    grad_norm = torch.nn.utils.clip_grad_norm_(t5.parameters(), grad_clip or math.inf)
+    if fsdp:
+        grad_norm = grad_norm.full_tensor()  # the norm of all ranks' slices together
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     step += 1
     steps_since_log += 1
-    sync.watch(loss, grad_norm)  # NaN or inf noted on the device, without waiting for it
+    sync.watch(train_loss, grad_norm)  # a NaN or inf, noted on the device without waiting for it
     if step == start_step + 1:  # the optimizer state exists from the first step on
         runtime.print_memory(t5, opt, rt)
 
-    stop = False
-    sync_step = step % log_interval == 0 or step % checkpoint_interval == 0 or step in (start_step + 1, max_steps)
-    if sync_step:
-        loss, stop = sync.agree(step, loss)  # one all-reduce: the mean loss, and whether to stop
+    last_step = step == max_steps
+    sync_step = step % log_interval == 0 or step % checkpoint_interval == 0 or step == start_step + 1
+    if sync_step or last_step:
+        agreed = sync.agree(step, train_loss)  # one all-reduce: the same values on every rank
+        last_step = last_step or agreed.signalled or 0 < budget_s <= agreed.elapsed
         dt = (time.time() - t_log) / steps_since_log
         t_log = time.time()
         steps_since_log = 0
         mfu_now = runtime.mfu(step_flops, dt, rt.world_size, peak)
-        eta_s = sync.budget_s - sync.elapsed if sync.budget_s else (max_steps - step) * dt
-        logger.log({"step": step, "loss": loss, "lr": lr_now, "grad_norm": grad_norm.item(),
+        eta_s = budget_s - agreed.elapsed if budget_s else (max_steps - step) * dt
+        logger.log({"step": step, "loss": agreed.mean_loss, "lr": lr_now, "grad_norm": grad_norm.item(),
                     "ms_per_step": 1000 * dt, "tokens_per_s": tokens_per_step / dt, "mfu": mfu_now,
-                    "elapsed": sync.elapsed})
+                    "elapsed": agreed.elapsed})
         mfu_text = f" | mfu {100 * mfu_now:.1f}%" if mfu_now else ""
-        print0(f"step {step:6d} | loss {loss:.4f} | lr {lr_now:.2e} | grad norm {grad_norm.item():.3f} | "
-               f"{1000 * dt:.0f} ms/step | {tokens_per_step / dt:,.0f} tok/s{mfu_text} | "
-               f"eta {eta_s / 3600:.2f} h")
-    last_step = step == max_steps or stop
+        print0(f"step {step:6d} | loss {agreed.mean_loss:.4f} | lr {lr_now:.2e} | "
+               f"grad norm {grad_norm.item():.3f} | {1000 * dt:.0f} ms/step | "
+               f"{tokens_per_step / dt:,.0f} tok/s{mfu_text} | eta {eta_s / 3600:.2f} h")
     if step % checkpoint_interval == 0 or last_step:
         with sync.paused():
-            checkpoint.save_checkpoint(ckpt_path, checkpoint.checkpoint_state(t5, opt, step, sync.elapsed,
-                                                                             config, meta))
+            state = checkpoint.run_state(t5, opt, step, sync.elapsed, config, meta)
+            checkpoint.save_checkpoint(ckpt_path, state)
     if step % eval_interval == 0 or step == max_steps:
         with sync.paused():
             metrics = evaluate()
