@@ -1,27 +1,34 @@
 """
-Bad input to the six scripts, as one table: every case runs the script as a user would, and must end with one line
-`error: ...` on stderr (exit code non-zero, no traceback, no hang) that says what the table expects, and leave the
-checkpoints, shards and meta.json it finds byte-identical. Then each case's fix, what its error line says to do, runs:
-the fixed command must get past that error.
+Bad input to the six scripts, as one table (CASES): a command a user might type, words its error line must say, and
+its fix. Every row is checked three ways: the script ends with one line `error: ...` on stderr (a non-zero exit code,
+no traceback, no hang); every checkpoint, shard, meta.json and result the row can reach is byte-identical afterwards;
+and the fix the line names, once done, gets past that error.
 One table rather than a table per test file: the promise is the same for every script, and so is the check.
-The cases start together, one per CPU core at a time; each test waits for its own.
-Each run is a fork of a zygote process that has imported torch, numpy and sentencepiece once: ~140 fresh
-interpreters would spend ~3 s of CPU each on those imports alone. From the fork on, the script runs as `python
-script.py args` does (see ZYGOTE); a case that hides a package starts a fresh interpreter.
+
+How the rows run. Most run in this process, one by one (in_process): runpy runs the script with its argv in the repo,
+its output captured, and an exception that escapes it becomes what errors.py's hook would print (errors.one_line; a
+traceback fails the row). torch is imported already, so such a row takes milliseconds, not the ~3 s of CPU a fresh
+interpreter spends importing; what a process keeps to itself (cwd, signal handlers, out_dir locks) is put back after
+each run. That checks every rule and its message. The rows in END_TO_END, a few per script and per kind of error, run
+as `python script.py args` in a fresh interpreter (in_subprocess), meanwhile, on the other core: they show the real
+hook at work, the line last on stderr, no traceback, a non-zero exit code. Every fix runs in this process.
 """
+import contextlib
 import fcntl
 import glob
 import gzip
+import io
 import json
 import os
 import random
 import re
+import runpy
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -30,7 +37,11 @@ import torch
 from model import T5, T5Config
 from optim import make_optimizer, param_groups
 from prepare import prepare
-from checkpoint import checkpoint_state, save_checkpoint, save_pretrained
+from checkpoint import OUT_DIR_LOCKS, checkpoint_state, save_checkpoint, save_pretrained
+
+ctrl_c = signal.getsignal(signal.SIGINT)
+from errors import one_line  # noqa: E402
+signal.signal(signal.SIGINT, ctrl_c)  # importing errors makes Ctrl-C end the process at once: leave pytest its own
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 SYSTEM = ["--device=cpu", "--dtype=float32", "--compile=False"]
@@ -301,7 +312,8 @@ def run_quoted(line):
     """run the command an error line quotes between backticks, as the user would"""
     command = shlex.split(line.split("`")[1])
     assert command[0] == "python"
-    subprocess.run([sys.executable, *command[1:]], cwd=REPO, capture_output=True, timeout=120, check=True)
+    r = in_process(command[1:])
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def copy_data(data, to, damage):
@@ -418,168 +430,138 @@ def with_args(args, extra):
     return [arg for arg in args if arg.split("=")[0] not in keys] + extra
 
 
-# Forks `python script.py args` from a process that has imported the slow modules once. The fork then does what
-# the interpreter does: the script's own argv and sys.path[0], stdin from /dev/null and stdout and stderr to files,
-# this repo's modules imported fresh, and the interpreter's exit: threads joined, atexit run, and the exit code of
-# SystemExit (printing a message it carries), or 1 after sys.excepthook. It serves one fork per connection to its
-# socket, answering with the fork's pid and then its exit code, and ends when its stdin closes.
-ZYGOTE = """
-import atexit, json, os, select, socket, sys, threading, types
-import numpy, sentencepiece, torch, torch.distributed.checkpoint, torch.distributed.fsdp
-
-def run_script(argv, stdout, stderr):
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.dup2(os.open(stdout, os.O_WRONLY | os.O_CREAT), 1)
-    os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT), 2)
-    script = os.path.abspath(argv[0])
-    sys.argv, sys.path[0], code = argv, os.path.dirname(script), 0
-    sys.modules["__main__"] = main = types.ModuleType("__main__")
-    main.__file__ = script
-    try:
-        with open(script, "rb") as f:
-            exec(compile(f.read(), script, "exec"), main.__dict__)
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-server = socket.socket(socket.AF_UNIX)
-server.bind(sys.argv[1])
-server.listen(64)
-print("ready", flush=True)
-waiting = {}  # pid -> the connection that waits for its exit code
-while True:
-    readable = select.select([server, sys.stdin], [], [], 0.05)[0]
-    if sys.stdin in readable:
-        break
-    if server in readable:
-        conn = server.accept()[0]
-        request = json.loads(conn.makefile().readline())
-        pid = os.fork()
-        if pid == 0:
-            for other in (server, conn, *waiting.values()):
-                other.close()
-            run_script(**request)
-        conn.sendall(f"{pid}\\n".encode())
-        waiting[pid] = conn
-    while waiting:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            break
-        with waiting.pop(pid) as conn:
-            try:
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\\n".encode())
-            except OSError:  # the test stopped waiting: a run it killed after 120 s
-                pass
-"""
+# The rows run in a fresh interpreter, `python script.py args`: every script; each kind of error (a config key, a
+# config file, a file, a resume, an out_dir another process holds, a package not installed); every row that hides a
+# package. The other rows run in this process.
+END_TO_END = {
+    "train lr", "train config file not UTF-8", "train resume, other model", "train out_dir in use",
+    "train without wandb", "train Hugging Face weights without safetensors", "finetune epochs",
+    "finetune corrupt checkpoint", "prepare not UTF-8", "prepare out_dir not writable", "bench compare",
+    "bench against transformers without it", "sample sentinel 100", "export into a non-empty folder",
+    "export without safetensors",
+}
+TIMEOUT = 120  # seconds: a run still going after them has hung
 
 
-@pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-    """the socket of a zygote started in the cases' environment"""
-    root = tmp_path_factory.mktemp("zygote")
-    (root / "zygote.py").write_text(ZYGOTE)
+def in_subprocess(args, hidden, places):
+    """`python args` in a fresh interpreter, where the hidden packages can't be imported"""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(root / "zygote.py"), str(root / "socket")], cwd=REPO, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "ready\n"
-    yield str(root / "socket")
-    proc.stdin.close()
-    proc.wait(timeout=60)
-
-
-def forked(args, zygote, output):
-    """`python args` forked from the zygote, as a completed process; its output in output.stdout and .stderr"""
-    out, err = output + ".stdout", output + ".stderr"
-    with socket.socket(socket.AF_UNIX) as conn:
-        conn.connect(zygote)
-        conn.sendall((json.dumps(dict(argv=args, stdout=out, stderr=err)) + "\n").encode())
-        answers = conn.makefile()
-        pid = int(answers.readline())
-        conn.settimeout(120)
-        try:
-            code = int(answers.readline())
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            raise
-    with open(out) as stdout, open(err) as stderr:
-        return subprocess.CompletedProcess(args, code, stdout.read(), stderr.read())
-
-
-def run(args, env, zygote, output):
-    """`python args`: in a fresh interpreter where env hides packages, else forked from the zygote; returncode
-    "timeout" if it still runs after 120 s"""
+    if hidden:
+        env.update(PYTHONPATH=places["hide"], HIDDEN_PACKAGES=",".join(hidden))
     try:
-        if "HIDDEN_PACKAGES" in env:
-            return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                                  timeout=120)
-        return forked(args, zygote, output)
-    except (subprocess.TimeoutExpired, TimeoutError):
-        return subprocess.CompletedProcess(args, "timeout", "", "hung: no exit within 120 s\n")
+        return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(args, "timeout", "", f"hung: no exit within {TIMEOUT} s\n")
+
+
+class Hung(BaseException):
+    """a run still going after TIMEOUT s: a BaseException, which a script's `except Exception` lets by"""
+
+
+def hung(signum, frame):
+    raise Hung
+
+
+def in_process(args):
+    """`python args` run in this process, as a completed process: its output, its exit code, and on stderr what
+    errors.py's hook prints for an exception that escapes the script (one line, or a traceback)"""
+    cwd, argv, threads = os.getcwd(), sys.argv, torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    stdout, stderr = io.StringIO(), io.StringIO()
+    os.chdir(REPO)
+    sys.argv = list(args)
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in_subprocess: the fresh interpreters have the other core
+    signal.signal(signal.SIGALRM, hung)
+    signal.alarm(TIMEOUT)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(os.path.join(REPO, args[0]), run_name="__main__")
+        code = 0
+    except SystemExit as e:  # configurator.py has printed its line
+        code = e.code or 0
+    except Hung:
+        stderr.write(f"hung: no exit within {TIMEOUT} s\n")
+        code = "timeout"
+    except Exception as e:
+        stderr.write(f"{one_line(type(e), e) or traceback.format_exc()}\n")
+        code = 1
+    finally:  # what the process would have kept to itself, and dropped as it exited
+        signal.alarm(0)
+        for lock in OUT_DIR_LOCKS:  # its out_dir's
+            if lock is not None:
+                lock.close()
+        OUT_DIR_LOCKS.clear()
+        for s, handler in handlers.items():  # runtime.Sync sets them
+            signal.signal(s, handler)
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)  # runtime.setup_runtime sets it on CPUs
+        os.chdir(cwd)
+        sys.argv = argv
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
+def set_up(name, command, places):
+    """the case's folder, {tmp}, with its own copies of the places in OWN_COPIES it names: (its arguments, its
+    places, the folders it can reach, the packages it hides)"""
+    tmp = os.path.join(places["root"], "cases", re.sub(r"\W", "_", name))
+    os.makedirs(tmp, exist_ok=True)
+    named = [key for key in places if any("{" + key + "}" in arg for arg in command)]
+    own = {key: shutil.copytree(places[key], os.path.join(tmp, key)) for key in OWN_COPIES if key in named}
+    case_places = dict(places, tmp=tmp, **own)
+    args = [arg.format(**case_places) for arg in command if not arg.startswith("hide:")]
+    hidden = [arg.removeprefix("hide:") for arg in command if arg.startswith("hide:")]
+    # the folders the case can reach, whose checkpoints and shards must come out as they went in
+    reached = [case_places[key] for key in (*OWN_COPIES, *SHARED) if key in named]
+    return args, case_places, reached, hidden
+
+
+def run_fix(fix, args, case_places, line):
+    """the case's command after the fix its error line names, done; None for "undo": its base command answers"""
+    if fix == "undo":
+        return None
+    if fix == "suggested":
+        run_quoted(line)
+    elif fix == "follow":
+        named = [word.rstrip("?.,;)") for word in line.split() if word.startswith("--") and "=" in word]
+        args = with_args(args, named[-1:])
+    elif fix == "installed":
+        pass  # the same command, in this process, which hides nothing
+    elif callable(fix):
+        fix(case_places, line)
+    elif fix[0].endswith(".py"):
+        args = [arg.format(**case_places) for arg in fix]
+    else:
+        args = with_args(args, [arg.format(**case_places) for arg in fix])
+    return in_process(args)
 
 
 @pytest.fixture(scope="module")
-def results(places, zygote):
-    """{case name: (completed process, files before, files after, the fixed command's process)}, all cases started
-    at once"""
-    # another run holds the lock of this out_dir for as long as the cases run
+def results(places):
+    """{case name: (its run, files before, files after, the fixed command's run)}, and {index in BASES: its run}"""
+    # another process holds the lock of this out_dir for as long as the cases run
     holder = open(os.path.join(places["locked"], "lock"), "a+")
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    cases = {name: set_up(name, command, places) for name, command, _, _ in CASES}
 
-    def run_case(name, command, fix):
-        tmp = os.path.join(places["root"], "cases", re.sub(r"\W", "_", name))
-        os.makedirs(tmp, exist_ok=True)
-        named = [key for key in places if any("{" + key + "}" in arg for arg in command)]
-        own = {key: shutil.copytree(places[key], os.path.join(tmp, key)) for key in OWN_COPIES if key in named}
-        case_places = dict(places, tmp=tmp, **own)
-        hidden = [arg.removeprefix("hide:") for arg in command if arg.startswith("hide:")]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if hidden:
-            env.update(PYTHONPATH=places["hide"], HIDDEN_PACKAGES=",".join(hidden))
-        args = [arg.format(**case_places) for arg in command if not arg.startswith("hide:")]
-        # the folders the case can reach, whose checkpoints and shards must come out as they went in
-        reached = [case_places[key] for key in (*OWN_COPIES, *SHARED) if key in named]
+    def run_case(name):
+        args, _, reached, hidden = cases[name]
         before = snapshot(reached)
-        r = run(args, env, zygote, os.path.join(tmp, "case"))
-        after = snapshot(reached)
-        if fix is None:
-            return r
-        # the fix, done as the error line says
-        line = (r.stderr.strip().splitlines() or [""])[-1]
-        if fix == "suggested":
-            run_quoted(line)
-        elif fix == "follow":
-            named = [word.rstrip("?.,;)") for word in line.split() if word.startswith("--") and "=" in word]
-            args = with_args(args, named[-1:])
-        elif fix == "installed":
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-        elif callable(fix):
-            fix(case_places, line)
-        elif fix[0].endswith(".py"):
-            args = [arg.format(**case_places) for arg in fix]
-        else:
-            args = with_args(args, [arg.format(**case_places) for arg in fix])
-        return r, before, after, None if fix == "undo" else run(args, env, zygote, os.path.join(tmp, "fix"))
+        r = in_subprocess(args, hidden, places) if name in END_TO_END else in_process(args)
+        return r, before, snapshot(reached)
 
-    with ThreadPoolExecutor(os.cpu_count()) as pool:
-        futures = {name: pool.submit(run_case, name, command, fix) for name, command, _, fix in CASES}
+    # the fresh interpreters, one at a time on one core, while this process runs the rest on the other
+    with ThreadPoolExecutor(1) as pool:
+        started = {name: pool.submit(run_case, name) for name in cases if name in END_TO_END}
         # the base commands, which the "undo" rows come back to
-        futures.update({BASES.index(base): pool.submit(run_case, f"base {BASES.index(base)}", base, None)
-                        for base in BASES})
-        yield futures
-        for future in futures.values():
-            future.result()
+        results = {i: in_process(set_up(f"base {i}", base, places)[0]) for i, base in enumerate(BASES)}
+        for name, _, _, fix in sorted(CASES, key=lambda case: case[0] in END_TO_END):  # this process's first
+            r, before, after = started[name].result() if name in started else run_case(name)
+            args, case_places, _, _ = cases[name]
+            line = (r.stderr.strip().splitlines() or [""])[-1]
+            results[name] = r, before, after, run_fix(fix, args, case_places, line)
     holder.close()
+    return results
 
 
 def test_the_table_covers_every_script():
@@ -589,9 +571,17 @@ def test_the_table_covers_every_script():
     assert scripts.count("export.py") >= 4
 
 
+def test_every_script_runs_end_to_end():
+    commands = {name: command for name, command, _, _ in CASES}
+    assert END_TO_END <= commands.keys()
+    assert {commands[name][0] for name in END_TO_END} == {base[0] for base in BASES}
+    # HIDING hides a package from a fresh interpreter only
+    assert all(name in END_TO_END for name, command in commands.items() if any(a.startswith("hide:") for a in command))
+
+
 @pytest.mark.parametrize("name, command, message, fix", CASES, ids=[name for name, _, _, _ in CASES])
 def test_bad_input(results, name, command, message, fix):
-    r, before, after, _ = results[name].result()
+    r, before, after, _ = results[name]
     lines = r.stderr.strip().splitlines()
     assert r.returncode not in (0, "timeout"), f"{r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
     assert lines and lines[-1].startswith("error: ") and message in lines[-1], r.stderr[-3000:]
@@ -601,9 +591,9 @@ def test_bad_input(results, name, command, message, fix):
 
 @pytest.mark.parametrize("name, command, message, fix", CASES, ids=[name for name, _, _, _ in CASES])
 def test_the_fix_gets_past_the_error(results, name, command, message, fix):
-    fixed = results[name].result()[3]
+    fixed = results[name][3]
     if fix == "undo":
-        fixed = results[BASES.index(base_of(command))].result()
+        fixed = results[BASES.index(base_of(command))]
     lines = fixed.stderr.strip().splitlines()
     assert fixed.returncode != "timeout", fixed.stderr[-3000:]
     assert "Traceback" not in fixed.stderr + fixed.stdout, fixed.stderr[-3000:]
