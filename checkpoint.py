@@ -419,17 +419,18 @@ def read_weights(source, rt, fsdp=False):
     train.py or finetune.py (its out_dir, ckpt.pt or ckpt/) or Hugging Face weights (a Hub name or
     folder). FSDP shards stay on disk, for each rank to read its own; whole weights, under FSDP,
     rank 0 alone reads and sends each rank its slices (load_weights): the others get None."""
-    def of(ckpt):
-        return T5Config(**ckpt["model_config"]), ckpt.get("shards") or ckpt["model"], ckpt["meta"]
+    def of(ckpt, path=""):
+        with reading(path, "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"):
+            return T5Config(**ckpt["model_config"]), ckpt.get("shards") or ckpt["model"], ckpt["meta"]
     if isinstance(source, dict):  # this run's own checkpoint
         return of(source)
     print0(f"a new run from the weights of {source} (--init_from=resume continues a run)")
     path = find_weights(source)
     if fsdp and path and not path.endswith(".pt"):  # shards: each rank reads its own
-        return of(load_checkpoint(path, weights=False))
+        return of(load_checkpoint(path, weights=False), path)
     config = weights = meta = None
     if rt.master or not fsdp:
-        config, weights, meta = of(load_checkpoint(path)) if path else (*read_hf(source), None)
+        config, weights, meta = of(load_checkpoint(path), path) if path else (*read_hf(source), None)
     if fsdp:  # the other ranks get rank 0's config and meta, not its weights
         shared = [(config, meta)]
         torch.distributed.broadcast_object_list(shared, src=0)

@@ -37,7 +37,7 @@ import torch
 from model import T5, T5Config
 from optim import make_optimizer, param_groups
 from prepare import prepare
-from checkpoint import OUT_DIR_LOCKS, checkpoint_state, save_checkpoint, save_pretrained
+from checkpoint import OUT_DIR_LOCKS, run_state, save_checkpoint, save_pretrained
 
 ctrl_c = signal.getsignal(signal.SIGINT)
 from errors import one_line  # noqa: E402
@@ -297,7 +297,7 @@ def tiny_checkpoint(path, meta, config, optimizer, program="train.py", elapsed=0
     t5 = tiny_t5(meta)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     opt = make_optimizer(optimizer, param_groups(t5, 0.0), 1e-3)
-    state = checkpoint_state(t5, opt, 1, elapsed, dict(config, optimizer=optimizer), meta, program)
+    state = run_state(t5, opt, 1, elapsed, dict(config, optimizer=optimizer), meta, program)
     save_checkpoint(path, state)
 
 
@@ -598,3 +598,52 @@ def test_the_fix_gets_past_the_error(results, name, command, message, fix):
     assert fixed.returncode != "timeout", fixed.stderr[-3000:]
     assert "Traceback" not in fixed.stderr + fixed.stdout, fixed.stderr[-3000:]
     assert fixed.returncode == 0 or (lines and message not in lines[-1]), fixed.stderr[-3000:]
+
+
+# The README's first commands on a fresh clone, with no data and no run, offline: each ends in one line that says
+# what to do, and each python command that line gives, run as written, does its work (the first command then gets
+# past its error, or both are still at work after 30 s), or fails only for the network. A `git clone` is not run.
+FIRST_COMMANDS = [
+    "python train.py config/t5_base.py",
+    'python sample.py --init_from=out/t5_tiny --text="The <extra_id_0> of a function is its <extra_id_1> ."',
+    "python finetune.py --init_from=out/t5_base --out_dir=out/ft_ours",
+    "python export.py --init_from=out/xl --out_dir=out/xl_hf",
+]
+
+
+@pytest.fixture(scope="module")
+def fresh_clone(tmp_path_factory):
+    """the repo's files as a clone has them, without the tests: no data, no runs"""
+    clone = tmp_path_factory.mktemp("clone")
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if not name.startswith("test_"):
+            os.makedirs(os.path.dirname(clone / name), exist_ok=True)
+            shutil.copy(os.path.join(REPO, name), clone / name)
+    return clone
+
+
+def as_written(command, cwd, timeout):
+    """a README command line run in cwd, offline (no Hub, no downloads); returncode "timeout" if still at work"""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    args = [sys.executable, *shlex.split(command)[1:]]
+    try:
+        return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(args, "timeout", "", "")
+
+
+@pytest.mark.parametrize("command", FIRST_COMMANDS)
+def test_first_commands_say_what_to_do_and_the_hints_work(fresh_clone, command):
+    assert command in open(os.path.join(REPO, "README.md")).read()
+    r = as_written(command, fresh_clone, 120)
+    line = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and line.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    for suggestion in re.findall(r"`(python [^`]*)`", line):
+        done = as_written(suggestion, fresh_clone, 30)
+        assert "Traceback" not in done.stderr, done.stderr
+        if done.returncode not in (0, "timeout"):  # offline: the Hub is out of reach, the honest end
+            assert "from the Hugging Face Hub" in done.stderr.strip().splitlines()[-1], done.stderr
+        elif done.returncode == 0:
+            again = as_written(command, fresh_clone, 30)
+            assert again.returncode == "timeout" or not again.stderr.strip(), again.stderr
