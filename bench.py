@@ -3,6 +3,7 @@ Times the training step train.py runs (forward, backward, clip, optimizer step) 
 process on the same weights, what one would otherwise use.
     python bench.py                               # ms/step, tokens/s, MFU, peak memory
     python bench.py --table=True                  # dtype x compile, as the nanoT5 paper's Table 1
+    python bench.py --profile=True                # the step's kernels by time, and the attention's
     python bench.py --compare=hf                  # the same step in transformers' T5
     python bench.py --compare=null                # ours against ours: the noise floor of a ratio
     python bench.py --part=generate --compare=hf  # greedy decoding against transformers' generate
@@ -36,9 +37,10 @@ valid = {}
 part = "train"  # 'train', 'generate' (greedy decoding), 'optim' (an optimizer step), 'data' (a batch)
 compare = ""  # 'hf': against transformers; 'null': ours twice; '': train alone, others their reference
 table = False  # part=train: each dtype x compile row (those given only), at the largest batch that fits
+profile = False  # part=train: after the timing, torch.profiler's table of one step's kernels
 data_dir = ""  # a prepare.py folder for real batches; '' -> random ids, no loading in the step
 valid.update(part=("train", "generate", "optim", "data"), compare=("", "hf", "null"), table="any",
-             data_dir="any")
+             profile="any", data_dir="any")
 # model and shapes
 model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
 batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's) and for data, else 4
@@ -170,8 +172,9 @@ def training_step(net, rt, next_batch, compile_model, lr=2e-2, grad_clip=1.0):
     return step
 
 def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length, compile_model,
-                steps=10, burn_in=3, peak_flops=0.0, data_dir="", seed=1337):
-    """our training step alone: (s/step, tokens/s, MFU or None, peak memory bytes, first call's s)"""
+                steps=10, burn_in=3, peak_flops=0.0, data_dir="", seed=1337, profile=False):
+    """our training step alone: (s/step, tokens/s, MFU or None, peak memory bytes, first call's s);
+    profile: then prints one more step's kernels (print_profile)"""
     t5 = build_model(rt, model_name, vocab_size, seed)
     next_batch = batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, data_dir, seed)
     step_fn = training_step(t5, rt, next_batch, compile_model)
@@ -182,7 +185,25 @@ def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_
     flops = flops_per_step(t5, batch_size, input_length, targets_length(input_length))
     tokens = batch_size * (input_length + targets_length(input_length))
     mfu_now = mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops))
-    return dt, tokens / dt, mfu_now, peak_memory(), first
+    memory = peak_memory()
+    if profile:
+        print_profile(step_fn, rt)
+    return dt, tokens / dt, mfu_now, memory, first
+
+def print_profile(fn, rt, rows=30):
+    """torch.profiler's table of one call of fn: its kernels (the GPU's, or the CPU's ops) by their
+    own time, how many ran, and which attention kernel SDPA chose"""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device_type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed(fn)
+    events = prof.key_averages()
+    on = "cuda" if rt.device_type == "cuda" else "cpu"
+    print0(events.table(sort_by=f"self_{on}_time_total", row_limit=rows))
+    attention = sorted({e.key for e in events if e.key.startswith("aten::_scaled_dot_product")})
+    kernels = sum(e.count for e in prof.events() if e.device_type.name == on.upper() and not e.cpu_parent)
+    print0(f"attention: {', '.join(attention) or 'none found'}; {kernels:,} {on.upper()} kernels "
+           f"and ops at the top level in one step")
 
 def bench_train_fitting(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length,
                         compile_model, **kwargs):
@@ -264,8 +285,9 @@ if __name__ == "__main__":
     if compare == "hf" and part in ("data", "optim"):
         raise UserError(f"compare '{compare}' is not valid here; use '' (the part's reference), 'null', "
                         f"or 'hf' with part=train or part=generate")
-    if table and (part != "train" or compare):
-        raise UserError("--table=True times our training step alone; drop --part and --compare")
+    if (table or profile) and (part != "train" or compare):
+        raise UserError(f"--{'table' if table else 'profile'}=True times our training step alone; drop --part "
+                        f"and --compare")
     if not table and (compare == "hf" or (part == "generate" and not compare)):
         require("transformers", f"bench.py --part={part} against transformers")
     torch.set_num_threads(threads or os.cpu_count())
@@ -290,7 +312,7 @@ if __name__ == "__main__":
     elif part == "train" and not compare:
         dt, tokens_per_s, mfu_now, memory, first = bench_train(
             rt, model, vocab_size, batch_size, grad_accum_steps, input_length, compile, steps, burn_in,
-            peak_flops, data_dir, seed)
+            peak_flops, data_dir, seed, profile)
         mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
         first_text = f" | first call (compile): {first:.2f} s" if compile else ""
         print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | peak memory "

@@ -30,16 +30,22 @@ class AdamWScale(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
+        for group in self.param_groups:  # the state, on a tensor's first step
+            for p in group["params"]:
+                if p.grad is not None and not self.state[p]:
+                    self.state[p] = dict(step=torch.tensor(0.0, dtype=torch.float64),
+                                         exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        self.update()
+
+    @torch.no_grad()
+    def update(self):
+        """the step's lines, tensor by tensor: what make_optimizer(compile=True) compiles"""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             lr = group["lr"]
             beta1, beta2 = group["betas"]
             for p, p_rms in zip(params, rms(params)):
                 state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float64)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
                 t = state["step"]
                 m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
@@ -75,36 +81,42 @@ class Adafactor(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
+        for group in self.param_groups:  # the state, on a tensor's first step
+            for p in group["params"]:
+                if p.grad is None or self.state[p]:
+                    continue
+                state = self.state[p]
+                state["step"] = torch.tensor(0.0, dtype=torch.float64)
+                if p.dim() >= 2:  # factored: V's row and column means
+                    state["exp_avg_sq_row"] = zeros_like_mean(p, -1)  # (..., rows)
+                    state["exp_avg_sq_col"] = zeros_like_mean(p, -2)  # (..., cols)
+                else:
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+        self.update()
+
+    @torch.no_grad()
+    def update(self):
+        """the step's lines, tensor by tensor: what make_optimizer(compile=True) compiles"""
         for group in self.param_groups:
             eps1, eps2 = group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            for p in [p for p in group["params"] if p.grad is not None]:
                 g = p.grad
                 state = self.state[p]
-                factored = g.dim() >= 2
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float64)
-                    if factored:
-                        state["exp_avg_sq_row"] = zeros_like_mean(g, -1)  # (..., rows)
-                        state["exp_avg_sq_col"] = zeros_like_mean(g, -2)  # (..., cols)
-                    else:
-                        state["exp_avg_sq"] = torch.zeros_like(g)
                 state["step"] += 1
                 beta2 = 1 - state["step"] ** group["decay_rate"]
-                step_size = rms([p])[0].clamp(min=eps2) * group["lr"]
                 g2 = g * g + eps1
-                if factored:
+                if "exp_avg_sq" in state:
+                    v = state["exp_avg_sq"]
+                    v.lerp_(g2, 1 - beta2)  # V = b2*V + (1-b2)*(g^2 + eps1)
+                else:
                     row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
                     row.lerp_(g2.mean(dim=-1), 1 - beta2)
                     col.lerp_(g2.mean(dim=-2), 1 - beta2)
                     row_share = row / row.mean(dim=-1, keepdim=True)
-                    v = row_share.unsqueeze(-1) * col.unsqueeze(-2)  # (..., rows, cols)
-                else:
-                    v = state["exp_avg_sq"]
-                    v.lerp_(g2, 1 - beta2)
-                update = g * v.rsqrt()
-                update.div_((rms([update])[0] / group["clip_threshold"]).clamp(min=1.0))
+                    v = row_share.unsqueeze(-1) * col.unsqueeze(-2)  # V ~ R C / mean(R): (..., rows, cols)
+                update = g * v.rsqrt()  # u = g / sqrt(V)
+                update.div_((rms([update])[0] / group["clip_threshold"]).clamp(min=1.0))  # clipped
+                step_size = rms([p])[0].clamp(min=eps2) * group["lr"]  # RMS(p) before this update
                 if group["weight_decay"] != 0:
                     p.mul_(1 - group["weight_decay"] * step_size)
                 p.sub_(update.mul_(step_size))
@@ -179,7 +191,7 @@ def check_optimizer(name):
 
 def make_optimizer(name, groups, lr, compile=False):
     """One of OPTIMIZERS by name, each group's weight_decay from param_groups; lr a tensor, which
-    train.py sets in place. compile: the step compiled, one graph for the whole update."""
+    train.py sets in place. compile: the update compiled, one graph for all tensors."""
     if name == "adamwscale":
         optimizer = AdamWScale(groups, lr=lr)
     elif name == "adafactor":
@@ -189,5 +201,5 @@ def make_optimizer(name, groups, lr, compile=False):
         fused = device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=torch.tensor(lr), eps=1e-6, fused=fused)
     if compile:
-        optimizer.step = torch.compile(optimizer.step)
+        optimizer.update = torch.compile(optimizer.update)
     return optimizer

@@ -98,3 +98,12 @@ def test_side_by_side_reports_the_first_call_apart(capsys):
                        burn_in=2, compiled=True)
     out = capsys.readouterr().out
     assert out.count("first call (compile):") == 2 and calls.count("a") == calls.count("b") == 4
+
+
+def test_profile_prints_the_steps_kernels_and_the_attention_kernel(capsys):
+    rt = setup_runtime("cpu", "float32")
+    bench.bench_train(rt, *TINY, False, profile=True, **ONE_STEP)
+    out = capsys.readouterr().out
+    assert "Self CPU time total" in out and "aten::mm" in out  # torch.profiler's table
+    attention = next(line for line in out.splitlines() if line.startswith("attention: "))
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in attention

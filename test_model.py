@@ -11,7 +11,7 @@ import torch.nn as nn
 import transformers
 
 from checkpoint import from_pretrained, hf_names, save_pretrained
-from model import PRESETS, T5, T5Config, UserError, relative_position_bucket
+from model import PRESETS, T5, KVCache, T5Config, UserError, relative_position_bucket
 
 # small, but with everything that can go wrong: encoder/decoder depths differ, heads * d_kv != d_model,
 # and the tests use sequences longer than relative_attention_max_distance so the log buckets are exercised
@@ -344,3 +344,24 @@ def test_activation_checkpointing_keeps_only_each_blocks_input():
     assert layer_checkpointed == 4 * 2 * 12 * SMALL["d_model"]
     assert layer_plain > 10 * layer_checkpointed
     torch.testing.assert_close(saved_bytes(3, True)[1], saved_bytes(3, False)[1])
+
+
+def test_no_graph_breaks_in_the_training_step_and_the_decode_step():
+    """torch.compile sees the model's forward (with the loss), the optimizer's update and generate's decode step
+    each as one graph: nothing falls back to Python between kernels"""
+    import torch._dynamo
+    from optim import make_optimizer, param_groups
+    torch.manual_seed(0)
+    t5 = T5(T5Config(**SMALL))
+    input_ids, labels = torch.randint(2, 100, (2, 10)), torch.randint(2, 100, (2, 5))
+    assert torch._dynamo.explain(t5)(input_ids, labels=labels).graph_break_count == 0
+    t5(input_ids, labels=labels)[1].backward()
+    optimizer = make_optimizer("adamwscale", param_groups(t5, 0.0), 1e-2)
+    optimizer.step()  # the state, made on the first step, outside what make_optimizer compiles
+    assert torch._dynamo.explain(optimizer.update)().graph_break_count == 0
+    with torch.no_grad():
+        encoder_kv = t5.decoder.encoder_kv(t5.encoder(t5.shared(input_ids), None, torch.float32))
+        for block in t5.decoder.blocks:
+            block.self_attn.kv_cache = KVCache((2, SMALL["num_heads"], 4, SMALL["d_kv"]), torch.float32, "cpu")
+        token, pos = torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        assert torch._dynamo.explain(t5.decode_step)(token, pos, encoder_kv, None).graph_break_count == 0
