@@ -103,8 +103,7 @@ class KVCache(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head attention without the 1/sqrt(d_kv) scaling, which T5 folds into q's init. q, k, v
-    stay separate tensors (the optimizers scale each one's update by its RMS, and q starts 8x
-    smaller), and run as one matmul over their weights side by side."""
+    stay separate tensors: the optimizers scale each one's update by its RMS, and q starts 8x smaller."""
     def __init__(self, config, has_relative_attention_bias=False, bidirectional=True):
         super().__init__()
         self.d_kv = config.d_kv
@@ -130,24 +129,16 @@ class Attention(nn.Module):
     def split_heads(self, t):  # (B, T, nh * hs) -> (B, nh, T, hs)
         return t.view(t.size(0), t.size(1), -1, self.d_kv).transpose(1, 2)
 
-    def project(self, x, *linears):
-        """x (B, T, d_model) through the linears as one matmul, one bigger GEMM that reads x once:
-        their weights side by side. Returns each one's output as heads, (B, nh, T, hs)."""
-        outputs = F.linear(x, torch.cat([linear.weight for linear in linears]))
-        return [self.split_heads(t) for t in outputs.chunk(len(linears), dim=-1)]
-
     def kv(self, source):  # the keys and values of source (B, T, d_model): (B, nh, T, hs) each
-        return self.project(source, self.k, self.v)
+        return self.split_heads(self.k(source)), self.split_heads(self.v(source))
 
     def forward(self, x, mask, kv=None, pos=None):
         """x (B, T, d_model) attends, mask (the position bias, -large where not allowed) added to its
         scores, in one of three modes: self-attention over x; cross-attention over kv, the keys and
         values of the encoder's output; or, decoding, self-attention of x at positions pos over the
         kv_cache."""
-        if kv is None:  # self-attention
-            q, k, v = self.project(x, self.q, self.k, self.v)
-        else:  # cross-attention
-            q, (k, v) = self.split_heads(self.q(x)), kv
+        q = self.split_heads(self.q(x))
+        k, v = self.kv(x) if kv is None else kv  # self-attention, or cross-attention
         if pos is not None:  # decoding: this step's k, v join the cache; q attends over all steps
             k, v = self.kv_cache.update(pos, k, v)
         dropout = self.dropout if self.training else 0.0
@@ -155,8 +146,7 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).flatten(2))  # (B, nh, T, hs) -> (B, T, nh * hs) -> (B, T, d)
 
 class GatedGELU(nn.Module):
-    """v1.1's feed-forward: gelu(x @ wi_0) * (x @ wi_1) @ wo, GELU in its tanh approximation; wi_0
-    and wi_1 run as one matmul over their weights side by side"""
+    """v1.1's feed-forward: gelu(x @ wi_0) * (x @ wi_1) @ wo, GELU in its tanh approximation"""
     def __init__(self, config):
         super().__init__()
         self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
@@ -165,8 +155,7 @@ class GatedGELU(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        gate, up = F.linear(x, torch.cat([self.wi_0.weight, self.wi_1.weight])).chunk(2, dim=-1)
-        return self.wo(self.dropout(F.gelu(gate, approximate='tanh') * up))
+        return self.wo(self.dropout(F.gelu(self.wi_0(x), approximate='tanh') * self.wi_1(x)))
 
 class EncoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):

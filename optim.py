@@ -30,34 +30,31 @@ class AdamWScale(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
-        for group in self.param_groups:  # the state, on a tensor's first step
-            for p in group["params"]:
-                if p.grad is not None and not self.state[p]:
-                    self.state[p] = dict(step=torch.tensor(0.0, dtype=torch.float64),
-                                         exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-        self.update()
-
-    @torch.no_grad()
-    def update(self):
-        """the step's lines, tensor by tensor: what make_optimizer(compile=True) compiles"""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            lr = group["lr"]
-            beta1, beta2 = group["betas"]
             for p, p_rms in zip(params, rms(params)):
                 state = self.state[p]
-                state["step"] += 1
-                t = state["step"]
+                if not state:
+                    state.update(step=torch.tensor(0.0, dtype=torch.float64), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
                 m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
-                g, p = local(p.grad), local(p)
-                m.lerp_(g, 1 - beta1)  # (1): m + (1-b1)*(g - m)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # (2)
-                step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t)  # (3)
-                step_size = step_size * p_rms.clamp(min=1e-3)  # (3)
-                update = m / v.sqrt().add_(group["eps"])  # (4) m / (sqrt(v) + eps)
-                p.sub_(update.mul_(step_size))  # (4) p -= step_size * that
-                if group["weight_decay"] > 0:
-                    p.mul_(1 - lr * group["weight_decay"])  # (5)
+                self.update(local(p).view(-1), local(p.grad).view(-1), m.view(-1), v.view(-1), state["step"],
+                            p_rms, group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+
+    @staticmethod
+    @torch.no_grad()
+    def update(p, g, m, v, t, p_rms, lr, beta1, beta2, eps, weight_decay):
+        """One tensor's step, flattened: the lines above. make_optimizer(compile=True) compiles it once
+        for every tensor, into one kernel each."""
+        t += 1
+        m.lerp_(g, 1 - beta1)  # (1): m + (1-b1)*(g - m)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # (2)
+        step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t)  # (3)
+        step_size = step_size * p_rms.clamp(min=1e-3)  # (3)
+        update = m / v.sqrt().add_(eps)  # (4) m / (sqrt(v) + eps)
+        p.sub_(update.mul_(step_size))  # (4) p -= step_size * that
+        if weight_decay > 0:
+            p.mul_(1 - lr * weight_decay)  # (5)
 
 class Adafactor(torch.optim.Optimizer):
     """
@@ -81,27 +78,18 @@ class Adafactor(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
-        for group in self.param_groups:  # the state, on a tensor's first step
-            for p in group["params"]:
-                if p.grad is None or self.state[p]:
-                    continue
-                state = self.state[p]
-                state["step"] = torch.tensor(0.0, dtype=torch.float64)
-                if p.dim() >= 2:  # factored: V's row and column means
-                    state["exp_avg_sq_row"] = zeros_like_mean(p, -1)  # (..., rows)
-                    state["exp_avg_sq_col"] = zeros_like_mean(p, -2)  # (..., cols)
-                else:
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-        self.update()
-
-    @torch.no_grad()
-    def update(self):
-        """the step's lines, tensor by tensor: what make_optimizer(compile=True) compiles"""
         for group in self.param_groups:
             eps1, eps2 = group["eps"]
             for p in [p for p in group["params"] if p.grad is not None]:
                 g = p.grad
                 state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float64)
+                    if p.dim() >= 2:  # factored: V's row and column means
+                        state["exp_avg_sq_row"] = zeros_like_mean(p, -1)  # (..., rows)
+                        state["exp_avg_sq_col"] = zeros_like_mean(p, -2)  # (..., cols)
+                    else:
+                        state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
                 beta2 = 1 - state["step"] ** group["decay_rate"]
                 g2 = g * g + eps1
@@ -191,7 +179,7 @@ def check_optimizer(name):
 
 def make_optimizer(name, groups, lr, compile=False):
     """One of OPTIMIZERS by name, each group's weight_decay from param_groups; lr a tensor, which
-    train.py sets in place. compile: the update compiled, one graph for all tensors."""
+    train.py sets in place. compile: AdamWScale's update of a tensor compiled, into one kernel."""
     if name == "adamwscale":
         optimizer = AdamWScale(groups, lr=lr)
     elif name == "adafactor":
@@ -200,6 +188,6 @@ def make_optimizer(name, groups, lr, compile=False):
         device_type = next(p for g in groups for p in g["params"]).device.type
         fused = device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=torch.tensor(lr), eps=1e-6, fused=fused)
-    if compile:
-        optimizer.update = torch.compile(optimizer.update)
+    if compile and name == "adamwscale":  # one graph for every tensor, of whatever size
+        optimizer.update = torch.compile(optimizer.update, dynamic=True)
     return optimizer
