@@ -193,9 +193,8 @@ def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_
 def print_profile(fn, rt, rows=30):
     """torch.profiler's table of one call of fn: its kernels (the GPU's, or the CPU's ops) by their
     own time, how many ran, and which attention kernel SDPA chose"""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device_type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    from torch.profiler import profile
+    with profile() as prof:  # the CPU's ops, and the GPU's kernels where there is one
         timed(fn)
     events = prof.key_averages()
     on = "cuda" if rt.device_type == "cuda" else "cpu"

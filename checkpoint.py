@@ -1,7 +1,6 @@
 """A run's folder and its weights on disk: one run at a time in an out_dir, never over another run's
-results; a resume continues only its own run; a checkpoint saved, loaded and restored, as one file or
-(FSDP) as a folder of shards; Hugging Face's format read and written; and load_model, which takes
-whichever --init_from names."""
+results; a resume continues only its own run; checkpoints saved, loaded and restored, one file or FSDP's
+shards; what a run starts from (read_weights, load_weights); Hugging Face's format read and written."""
 import contextlib
 import dataclasses
 import fcntl
@@ -69,23 +68,25 @@ def claim_out_dir(out_dir, rt, fresh, program="train.py"):
     OUT_DIR_LOCKS.append(lock)
     return lock
 
+def changes(ckpt, config, meta):
+    """{key: 'key old -> new'} of the keys and the data's settings (data.key) that the run changed"""
+    def settings(config, meta):
+        data = (meta or {}).get("settings") or {}
+        return {**config, **{f"data.{key}": value for key, value in data.items()}}
+    saved, current = settings(ckpt["config"], ckpt["meta"]), settings(config, meta)
+    return {key: f"{key} {saved[key]!r} -> {current[key]!r}" for key in current
+            if key in saved and saved[key] != current[key] and key != "init_from"}
+
 def check_resume(ckpt, path, config, meta, fixed):
     """A resume continues its checkpoint's run: the keys in `fixed` (what its weights and optimizer
     state were made with) and its data's settings keep their values; the resume line names other
     keys that changed."""
-    def settings(config, meta):  # the data as prepare.py made it, wherever its folder is now
-        data = (meta or {}).get("settings") or {}
-        return {**config, **{f"data.{key}": value for key, value in data.items()}}
-    saved = settings(ckpt["config"], ckpt["meta"])
-    current = settings(config, meta)
-    differences = {key: f"{key} {saved[key]!r} -> {current[key]!r}" for key in current
-                   if key in saved and saved[key] != current[key] and key != "init_from"}
-    wrong = [text for key, text in differences.items() if key in fixed or key.startswith("data.")]
+    changed = changes(ckpt, config, meta)
+    wrong = [text for key, text in changed.items() if key in fixed or key.startswith("data.")]
     if wrong:
         raise UserError(f"--init_from=resume continues the run in {path}, which had other settings "
                         f"({', '.join(wrong)}): set them back, or start a new run in another --out_dir")
-    changed = ", ".join(differences.values())
-    changed = f"; changed on resume: {changed}" if changed else ""
+    changed = f"; changed on resume: {', '.join(changed.values())}" if changed else ""
     print0(f"resuming from {path} at step {ckpt['step']}{changed}")
 
 # what train.py checks as it starts, before any work
@@ -256,18 +257,9 @@ def restore_state(ckpt, t5, optimizer):
         torch.cuda.set_rng_state_all(rng["cuda"])
     return ckpt["step"], ckpt["elapsed"]
 
-def load_state_dict(model, state_dict, problem):
-    """model with state_dict's weights; a mismatch is one line, problem, then torch's first"""
-    try:
-        model.load_state_dict(state_dict)
-    except RuntimeError as e:  # the first mismatch in one line, not torch's page of them
-        raise UserError(f"{problem}: {str(e).splitlines()[1].strip()}") from None
-    return model
-
 def model_from_checkpoint(ckpt, **overrides):
     """The T5 in a checkpoint of train.py or finetune.py (a dict from load_checkpoint)."""
-    model = T5(T5Config(**{**ckpt["model_config"], **overrides}))
-    return load_state_dict(model, ckpt["model"], "the checkpoint's weights do not match its config")
+    return load_weights(T5(T5Config(**{**ckpt["model_config"], **overrides})), ckpt["model"])
 
 # Hugging Face's format: transformers' T5ForConditionalGeneration, read and written
 
@@ -324,8 +316,7 @@ def read_hf(name_or_dir):
 def from_pretrained(name_or_dir, **overrides):
     """A T5 of Hugging Face's weights (read_hf); overrides are T5Config fields."""
     config, state_dict = read_hf(name_or_dir)
-    model = T5(dataclasses.replace(config, **overrides))
-    return load_state_dict(model, state_dict, f"weights in {name_or_dir} do not match config.json")
+    return load_weights(T5(dataclasses.replace(config, **overrides)), state_dict)
 
 def save_pretrained(model, folder):
     """config.json and model.safetensors, which transformers' T5ForConditionalGeneration reads"""
@@ -350,14 +341,13 @@ def download(repo_id):
     if os.path.exists(repo_id) or repo_id.startswith(('.', '/', '~')) or repo_id.count('/') != 1:
         raise UserError(f"{repo_id} is not a folder with a Hugging Face checkpoint, nor a Hub id "
                         f"like google/t5-v1_1-base")
-    try:
+    # offline, an unknown or gated repo, no huggingface_hub
+    with reading(repo_id, "could not get {path} from the Hugging Face Hub ({kind}); pass a local folder with "
+                          "config.json and model.safetensors (or pytorch_model.bin)"):
         from huggingface_hub import snapshot_download
         folder = snapshot_download(repo_id, allow_patterns=['config.json', '*.safetensors'], etag_timeout=5)
         if not glob.glob(os.path.join(folder, '*.safetensors')):
             folder = snapshot_download(repo_id, allow_patterns=['config.json', 'pytorch_model*.bin'], etag_timeout=5)
-    except Exception as e:  # offline, unknown or gated repo, no huggingface_hub
-        raise UserError(f"could not get {repo_id} from the Hugging Face Hub ({type(e).__name__}); pass "
-                        f"a local folder with config.json and model.safetensors (or pytorch_model.bin)")
     return folder
 
 def read_weights_file(folder):
@@ -414,11 +404,10 @@ def load_model(init_from, **overrides):
         return model_from_checkpoint(ckpt, **overrides), ckpt
 
 def read_weights(source, rt, fsdp=False):
-    """(T5Config, weights for load_weights, the run's data meta or None) of what a run starts
-    from: a resumed checkpoint (a dict from load_checkpoint), or what init_from names, a run of
-    train.py or finetune.py (its out_dir, ckpt.pt or ckpt/) or Hugging Face weights (a Hub name or
-    folder). FSDP shards stay on disk, for each rank to read its own; whole weights, under FSDP,
-    rank 0 alone reads and sends each rank its slices (load_weights): the others get None."""
+    """(T5Config, weights for load_weights, the run's data meta or None) of what a run starts from:
+    a resumed checkpoint (from load_checkpoint), or what init_from names, a run of train.py or
+    finetune.py or Hugging Face weights. FSDP shards stay on disk, for each rank to read its own;
+    whole weights, under FSDP, rank 0 alone reads and sends each rank its slices: the others get None."""
     def of(ckpt, path=""):
         with reading(path, "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"):
             return T5Config(**ckpt["model_config"]), ckpt.get("shards") or ckpt["model"], ckpt["meta"]
@@ -438,9 +427,8 @@ def read_weights(source, rt, fsdp=False):
     return config, weights, meta
 
 def load_weights(model, weights):
-    """Weights into a placed model (runtime.wrap_model): from a folder of FSDP shards, each rank
-    reading its own slices; or a whole state dict, which under FSDP only rank 0 holds: it sends each
-    rank its slices."""
+    """model with weights: from a folder of FSDP shards, each rank reading its own slices; or a whole
+    state dict, which under FSDP only rank 0 holds: it sends each rank its slices"""
     if isinstance(weights, str):
         state = {"model": get_model_state_dict(model)}  # the layout to fill
         dcp.load(state, checkpoint_id=weights)
@@ -449,4 +437,8 @@ def load_weights(model, weights):
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, weights or {}, options=options)
     else:
-        load_state_dict(model, weights, "the checkpoint's weights do not match its model config")
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as e:  # the first mismatch in one line, not torch's page of them
+            raise UserError(f"the weights do not match their config: {str(e).splitlines()[1].strip()}") from None
+    return model

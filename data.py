@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from files import UserError
-from prepare import NUM_SENTINELS, beyond_vocab_error, check_files, load_meta
+from prepare import NUM_SENTINELS, check_files, load_meta, rebuild
 
 # span corruption, as T5 does it (t5.data.preprocessors: random_spans_noise_mask and co.)
 
@@ -163,7 +163,9 @@ class SpanCorruptionBatches:
         raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shards, starts)])
         if raw.max() >= self.vocab_size:  # a damaged shard, or another tokenizer's
             row = raw.max(axis=1).argmax()
-            raise beyond_vocab_error(self.meta, self.names[shards[row]], raw[row].max(), self.vocab_size)
+            raise rebuild(self.meta, f"{self.meta['data_dir']}/{self.names[shards[row]]} holds token id "
+                                     f"{raw[row].max()}, beyond the model's vocab_size {self.vocab_size} (corrupt, "
+                                     f"or another tokenizer's)")
         if self.split == "train":
             rngs = [np.random.default_rng([self.seed, TRAIN_SPANS, step, r]) for r in rows]
         else:

@@ -4,6 +4,7 @@ What each script imports first, before its slow imports: from then on an error t
 traceback, and so is Ctrl-C. Under torchrun, rank 0 says the line again, last. While the script
 imports, Ctrl-C stops it at once; configurator.py makes it a KeyboardInterrupt again.
 """
+import contextlib
 import os
 import select
 import signal
@@ -30,25 +31,25 @@ def one_line(exc_type, exc):
 
 def print_user_errors(exc_type, exc, tb, _default=sys.excepthook):
     # no sys.exit: torchrun wraps this hook to prefix each line, and an exit would lose it
-    try:
+    message = None
+    with contextlib.suppress(Exception):  # whatever the exception holds, the hook itself never fails
         message = one_line(exc_type, exc)
-    except Exception:  # whatever the exception holds, the hook itself never fails
-        message = None
     if message is None:
         return _default(exc_type, exc, tb)
     print(message, file=sys.stderr)
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK") == "0":
-        # torchrun reports after the ranks exit: a child, out of the rank's process group (which
-        # torchrun stops), waits for torchrun to exit and says it again, last
-        launcher = os.getppid()
-        if os.fork() == 0:
-            os.setsid()
-            try:
-                select.select([os.pidfd_open(launcher)], [], [])  # readable once it has exited
-            except (AttributeError, OSError):  # no pidfd on this OS, or torchrun gone already
-                pass
-            os.write(2, f"{message}\n".encode())
-            os._exit(0)
+        say_after_torchrun(message)
+
+def say_after_torchrun(message):
+    """torchrun reports after the ranks exit: a child, out of the rank's process group (which torchrun
+    stops), waits for torchrun to exit and says the line again, last"""
+    launcher = os.getppid()
+    if os.fork() == 0:
+        os.setsid()
+        with contextlib.suppress(AttributeError, OSError):  # no pidfd on this OS, or torchrun gone already
+            select.select([os.pidfd_open(launcher)], [], [])  # readable once it has exited
+        os.write(2, f"{message}\n".encode())
+        os._exit(0)
 
 def interrupted_while_starting(signum, frame):
     # while the script imports: nothing to clean up yet, and a library's bare `except:` could

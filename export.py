@@ -12,21 +12,18 @@ from files import UserError, atomic_write
 from prepare import load_tokenizer
 from runtime import require
 
-def check_run(init_from):
-    """configurator.py's rule for init_from: a run to export, not weights in this format already"""
-    if find_weights(init_from) is None:
-        raise UserError(f"{init_from} is not a run of train.py or finetune.py (its out_dir, ckpt.pt "
-                        f"or ckpt/): export.py writes a run in Hugging Face's format")
-
 # -------------------------------------------------------------------------------------------------
 valid = {}
 init_from = "out/t5_tiny"  # a run: its out_dir, ckpt.pt or ckpt/
 out_dir = "out/t5_tiny_hf"  # a new folder, or an empty one
-valid.update(init_from=check_run, out_dir="folder")
+valid.update(init_from=find_weights, out_dir="folder")
 # -------------------------------------------------------------------------------------------------
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    if find_weights(init_from) is None:  # a run to export, not weights in this format already
+        raise UserError(f"{init_from} is not a run of train.py or finetune.py (its out_dir, ckpt.pt "
+                        f"or ckpt/): export.py writes a run in Hugging Face's format")
     require("safetensors", "export.py")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise UserError(f"{out_dir} is not empty, and export.py replaces no file: pass a new --out_dir")

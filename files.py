@@ -20,13 +20,14 @@ def reason(e):
 
 @contextlib.contextmanager
 def reading(path, message="could not read {path}: {reason}", errors=Exception):
-    """Where a named file is read: whatever fails inside (`errors`) becomes one UserError, `message` filled in."""
+    """Where a named file (or a download) is read: whatever fails inside (`errors`) becomes one UserError,
+    `message` filled in with path, the reason and the kind of error."""
     try:
         yield
     except UserError:
         raise
     except errors as e:
-        raise UserError(message.format(path=path, reason=reason(e))) from None
+        raise UserError(message.format(path=path, reason=reason(e), kind=type(e).__name__)) from None
 
 def write_failure(e):
     """the OSError behind e that only writing meets (torch's zip writer wraps it in a RuntimeError), or None"""

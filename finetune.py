@@ -30,7 +30,7 @@ from files import UserError, atomic_write, reading, reason
 from model import T5
 from optim import check_optimizer, make_optimizer, param_groups
 from prepare import load_tokenizer
-from runtime import (DTYPES, Logger, Sync, check_device, check_fsdp, check_wandb, print0,
+from runtime import (DTYPES, Logger, Sync, check_device, check_wandb, print0,
                      setup_runtime, wrap_model)
 
 def sni_split(data_dir, split="test"):
@@ -87,7 +87,7 @@ dtype = "float32"  # as the paper's fine-tuning numbers
 compile = False  # every new padded prompt length would compile again
 fsdp = False  # under torchrun: FSDP2 sharding instead of DDP
 seed = 1337
-valid.update(device=check_device, dtype=DTYPES, compile="any", fsdp=check_fsdp, seed=">= 0")
+valid.update(device=check_device, dtype=DTYPES, compile="any", fsdp="any", seed=">= 0")
 # -------------------------------------------------------------------------------------------------
 
 def read_task(path):
@@ -230,7 +230,7 @@ def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens,
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-    rt = setup_runtime(device, dtype, seed)
+    rt = setup_runtime(device, dtype, seed, fsdp)
     micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
     # before any work: no run writes over another run's files, or shares its out_dir
     resuming = init_from == "resume"
@@ -282,8 +282,7 @@ if __name__ == "__main__":
         return torch.randperm(len(train_examples), generator=generator).tolist()
 
     def micro_batches(step):
-        """this rank's share of the batch of step: grad_accum_steps dicts of input_ids, labels and
-        attention_mask"""
+        """this rank's micro-batches of step: dicts of input_ids, labels and attention_mask"""
         epoch, i = divmod(step, steps_per_epoch)
         batches = []
         for micro_step in range(grad_accum_steps):
@@ -343,19 +342,18 @@ if __name__ == "__main__":
         sync.watch(train_loss, grad_norm)
         last_step = step == max_steps
         if step % log_interval == 0 or step % checkpoint_interval == 0 or last_step:
-            agreed = sync.agree(step, train_loss)  # a signal stops; a NaN ends the run unsaved
-            last_step = last_step or agreed.signalled
+            mean_loss, elapsed, signalled = sync.agree(step, train_loss)  # a NaN ends the run unsaved
+            last_step = last_step or signalled
             dt = (time.time() - t_log) / steps_since_log
             t_log = time.time()
             steps_since_log = 0
-            logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": agreed.mean_loss,
-                        "lr": lr, "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt,
-                        "elapsed": agreed.elapsed})
+            logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": mean_loss, "lr": lr,
+                        "grad_norm": grad_norm.item(), "ms_per_step": 1000 * dt, "elapsed": elapsed})
             print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | "
-                   f"loss {agreed.mean_loss:.4f} | grad norm {grad_norm.item():.3f} | "
+                   f"loss {mean_loss:.4f} | grad norm {grad_norm.item():.3f} | "
                    f"{1000 * dt:.0f} ms/step | eta {(max_steps - step) * dt / 3600:.2f} h")
             if last_step or step % checkpoint_interval == 0:
-                state = run_state(model, opt, step, agreed.elapsed, config, meta, "finetune.py")
+                state = run_state(model, opt, step, elapsed, config, meta, "finetune.py")
                 with sync.paused():
                     save_checkpoint(ckpt_path, state)
         if eval_interval and step % eval_interval == 0 and step < max_steps:

@@ -251,23 +251,21 @@ class Decoder(Stack):
             x = self.run(block, x, mask, cross_mask, encoder_out if pos is None else encoder_out[i], pos)
         return self.dropout(self.ln_f(x))
 
-def check_ids(**tensors):
+def check_ids(input_ids, attention_mask=None, labels=None, decoder_input_ids=None):
     """What a caller of forward() or generate() can get wrong, as one line: each tensor 2-D and of
     integers, the mask shaped as its ids, as many decoder rows as input rows. Not ids < vocab, which
     would wait for the GPU."""
-    for name, ids in tensors.items():
-        if ids is None:
-            continue
-        if not torch.is_tensor(ids) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2:
+    for name, ids in dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                          decoder_input_ids=decoder_input_ids).items():
+        integer_matrix = torch.is_tensor(ids) and ids.dtype in (torch.int64, torch.int32) and ids.dim() == 2
+        if ids is not None and not integer_matrix:
             what = f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if torch.is_tensor(ids) else type(ids).__name__
             raise UserError(f"{name} must be a 2-D int64 tensor (batch, length), got a {what}")
-    ids = tensors["input_ids"]
-    mask = tensors.get("attention_mask")
-    if mask is not None and mask.shape != ids.shape:
-        raise UserError(f"attention_mask has shape {tuple(mask.shape)} but its ids have shape {tuple(ids.shape)}")
-    decoder_ids = tensors.get("decoder_input_ids")
-    if decoder_ids is not None and decoder_ids.size(0) != ids.size(0):
-        raise UserError(f"input_ids hold {ids.size(0)} rows, the decoder's ids {decoder_ids.size(0)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise UserError(f"attention_mask has shape {tuple(attention_mask.shape)} but its ids have shape "
+                        f"{tuple(input_ids.shape)}")
+    if decoder_input_ids is not None and len(decoder_input_ids) != len(input_ids):
+        raise UserError(f"input_ids hold {len(input_ids)} rows, the decoder's ids {len(decoder_input_ids)}")
 
 class T5(nn.Module):
     def __init__(self, config):
@@ -322,8 +320,7 @@ class T5(nn.Module):
             decoder_input_ids  <pad>         <extra_id_0>  for       inviting"""
         if decoder_input_ids is None:
             decoder_input_ids = self.shift_right(labels)
-        check_ids(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                  decoder_input_ids=decoder_input_ids)
+        check_ids(input_ids, attention_mask, labels, decoder_input_ids)
         dtype = self.compute_dtype(input_ids.device)
         encoder_out = self.encoder(self.shared(input_ids), attention_mask, dtype)
         cross_mask = padding_mask(attention_mask, dtype)
@@ -355,7 +352,7 @@ class T5(nn.Module):
         else sampled from the top_k likeliest. The encoder and cross-attention's k, v run once;
         compile=True compiles decode_step; all_steps runs max_new_tokens steps even once every row
         has finished (under FSDP every rank must run each block as often)."""
-        check_ids(input_ids=input_ids, attention_mask=attention_mask)
+        check_ids(input_ids, attention_mask)
         c = self.config
         B = input_ids.size(0)
         device = input_ids.device

@@ -180,14 +180,12 @@ def check_optimizer(name):
 def make_optimizer(name, groups, lr, compile=False):
     """One of OPTIMIZERS by name, each group's weight_decay from param_groups; lr a tensor, which
     train.py sets in place. compile: AdamWScale's update of a tensor compiled, into one kernel."""
-    if name == "adamwscale":
-        optimizer = AdamWScale(groups, lr=lr)
-    elif name == "adafactor":
-        optimizer = Adafactor(groups, lr=lr)
-    else:  # adamw: eps 1e-6 is HF AdamW's, which nanoT5 ran
+    if name == "adafactor":
+        return Adafactor(groups, lr=lr)
+    if name == "adamw":  # eps 1e-6 is HF AdamW's, which nanoT5 ran
         device_type = next(p for g in groups for p in g["params"]).device.type
-        fused = device_type in ("cuda", "cpu")
-        return torch.optim.AdamW(groups, lr=torch.tensor(lr), eps=1e-6, fused=fused)
-    if compile and name == "adamwscale":  # one graph for every tensor, of whatever size
+        return torch.optim.AdamW(groups, lr=torch.tensor(lr), eps=1e-6, fused=device_type in ("cuda", "cpu"))
+    optimizer = AdamWScale(groups, lr=lr)
+    if compile:  # one graph for every tensor, of whatever size
         optimizer.update = torch.compile(optimizer.update, dynamic=True)
     return optimizer

@@ -19,7 +19,7 @@ import re
 import shlex
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, suppress
 
 import numpy as np
 from tqdm import tqdm
@@ -234,14 +234,12 @@ def pydoc_documents():
         # test suites' docstrings are mostly one-line "Test that ..." notes
         subfolders[:] = sorted(d for d in subfolders if d not in ("site-packages", "test", "tests", "__pycache__"))
         for file in sorted(f for f in files if f.endswith(".py")):
-            try:
+            with suppress(SyntaxError, UnicodeDecodeError, ValueError):  # lib2to3's broken test data: skipped
                 with open(os.path.join(folder, file), encoding="utf-8") as f:
                     tree = ast.parse(f.read())
-            except (SyntaxError, UnicodeDecodeError, ValueError):  # lib2to3's broken test data
-                continue
-            docstrings = [ast.get_docstring(node) for node in ast.walk(tree) if isinstance(
-                node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-            yield "\n\n".join(d for d in docstrings if d)
+                docstrings = [ast.get_docstring(node) for node in ast.walk(tree) if isinstance(
+                    node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+                yield "\n\n".join(d for d in docstrings if d)
 
 def _local_texts(path, text_field):
     """the text_field values of a local file, or a .txt's paragraphs; None for a record with none"""
@@ -301,11 +299,10 @@ def _column(split, text_field):
 def hub_check(repo_id, repo_type, hint):
     """fail in seconds, not after minutes of retries, when the Hub is out of reach or lacks the repo"""
     from huggingface_hub import HfApi
-    try:
+    # offline, no such or a private repo, the http client's errors
+    with reading(repo_id, f"can't get the {repo_type} '{{path}}' from the Hugging Face Hub ({{kind}}): check "
+                          f"the name, or {hint}"):
         HfApi().repo_info(repo_id, repo_type=repo_type, timeout=3)
-    except Exception as e:  # offline, no such or a private repo, the http client's errors
-        raise UserError(f"can't get the {repo_type} '{repo_id}' from the Hugging Face Hub "
-                        f"({type(e).__name__}): check the name, or {hint}") from None
 
 # tokenizers, each with 100 sentinels appended to its vocab
 class Tokenizer:
@@ -322,11 +319,9 @@ class Tokenizer:
             self.encode, self._decode = self.sp.encode, self.sp.decode
             return
         import tiktoken
-        try:
+        with reading("GPT-2's BPE files", "tiktoken could not download {path} ({kind}); offline, use "
+                                          "--tokenizer=train or a local sentencepiece .model file", OSError):
             self.enc = tiktoken.get_encoding("gpt2")
-        except OSError as e:
-            raise UserError(f"tiktoken could not download GPT-2's BPE files ({type(e).__name__}); offline, use "
-                            f"--tokenizer=train or a local sentencepiece .model file") from None
         self.eos_id = self.enc.eot_token
         self.unk_id = None  # byte-level BPE has no unknown token
         self.first_sentinel_id = self.enc.n_vocab + NUM_SENTINELS - 1
@@ -468,14 +463,12 @@ def prepare_command(settings, data_dir):
 
 def check_files(meta, names):
     for problem in damaged_files(meta["data_dir"], meta, names).values():
-        command = prepare_command(meta["settings"], meta["data_dir"])
-        raise UserError(f"{problem}: rebuild it with `{command}`")
+        raise rebuild(meta, problem)
 
-def beyond_vocab_error(meta, name, token, vocab_size):
-    """the error of a token id the model has no embedding for, found in the shard name"""
-    return UserError(f"{meta['data_dir']}/{name} holds token id {token}, beyond the model's vocab_size "
-                    f"{vocab_size}: the data is corrupt or from another tokenizer; make it again with "
-                    f"`{prepare_command(meta['settings'], meta['data_dir'])}`")
+def rebuild(meta, problem):
+    """the UserError of a prepared file that is not what meta.json says: problem, and the command that
+    rebuilds it"""
+    return UserError(f"{problem}: rebuild it with `{prepare_command(meta['settings'], meta['data_dir'])}`")
 
 def load_tokenizer(meta, hf_folder=""):
     """A prepared folder's tokenizer (from its path, or its meta as checkpoints keep it), checked;

@@ -4,9 +4,9 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import time
-from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
@@ -108,34 +108,22 @@ def require(package, purpose):
 
 def check_device(name):
     """configurator.py's rule for `device`"""
-    try:
-        kind = "auto" if name == "auto" else torch.device(name).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("auto", "cpu", "cuda", "mps"):
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name):
         raise UserError(f"device '{name}' is not one this code runs on: use auto, cpu, cuda, cuda:N or mps")
-    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
-    if kind in available and not available[kind]():
+    there = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not there.get(name.split(":")[0], True):
         raise UserError(f"device '{name}' asked for, but torch sees no such GPU here; use --device=cpu")
 
-def check_fsdp(fsdp):
-    """configurator.py's rule for `fsdp`"""
-    if fsdp and "RANK" not in os.environ:
-        raise UserError("fsdp=True shards the model over the ranks torchrun starts: launch with "
-                        "torchrun --nproc_per_node=N, or leave fsdp off for one process")
-
-def setup_runtime(device="auto", dtype="bfloat16", seed=1337):
+def setup_runtime(device="auto", dtype="bfloat16", seed=1337, fsdp=False):
     """picks the device, joins torchrun's process group if there is one, seeds, sets the float modes"""
     ddp = "RANK" in os.environ
+    if fsdp and not ddp:
+        raise UserError("fsdp=True shards the model over the ranks torchrun starts: launch with "
+                        "torchrun --nproc_per_node=N, or leave fsdp off for one process")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if device == "auto":  # cuda > mps > cpu
-        if torch.cuda.is_available():
-            device = "cuda"
-        elif torch.backends.mps.is_available():
-            device = "mps"
-        else:
-            device = "cpu"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     device_type = device.split(":")[0]
     if device_type == "cpu" and dtype == "bfloat16":  # no native bf16 matmuls: autocast only adds casts
         cpuinfo = ""
@@ -184,10 +172,9 @@ def shard_model(model, rt):
 def wrap_model(model, rt, fsdp=False, compile=False, activation_checkpointing=False, dynamic=None):
     """The T5 built on the meta device, placed for training, its weights still to be made
     (draw_weights, checkpoint.load_weights). With FSDP each rank materialises only its own shards,
-    and torch.compile compiles each block, as torchtitan does, so that FSDP's hooks between the
-    blocks stay out of the graphs; without, the model is whole on the device, compiled, and in DDP
-    under torchrun. Returns what the loop calls: the T5 itself (FSDP shards it in place), or its
-    compiled or DDP wrapper."""
+    and each block is compiled, as torchtitan does, FSDP's hooks between the graphs; without, the
+    model is whole on the device, compiled, in DDP under torchrun. Returns what the loop calls: the
+    T5 itself (FSDP shards it in place), or its compiled or DDP wrapper."""
     model.encoder.activation_checkpointing = activation_checkpointing
     model.decoder.activation_checkpointing = activation_checkpointing
     if fsdp:
@@ -207,10 +194,9 @@ def wrap_model(model, rt, fsdp=False, compile=False, activation_checkpointing=Fa
 
 @torch.no_grad()
 def draw_weights(model):
-    """The weights T5(config) draws (init_parameter), into a placed model: each tensor drawn whole
-    on the host from the same seed and in the same order, then copied to the device, so that every
-    device and number of ranks starts from the same weights. Under FSDP each rank keeps only its own
-    slice, and never holds more than one tensor whole."""
+    """The weights T5(config) draws, into a placed model: each tensor drawn whole on the host, from
+    the same seed and in the same order, then copied to the device: the same weights on any device and
+    number of ranks. Under FSDP each rank keeps its own slice, and holds one tensor whole at a time."""
     for name, p in model.named_parameters():
         whole = torch.empty(p.shape)
         model.init_parameter(name, whole)
@@ -270,31 +256,23 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log(record, step=record.get("step"))
 
-Agreed = namedtuple("Agreed", "mean_loss elapsed signalled")
-
 class Sync:
     """Where the ranks agree, at the loop's sync steps, in one all-reduce: the loss averaged over
     the ranks, whether a loss or grad norm since the last sync was NaN or inf (watch), whether
     SIGINT or SIGTERM came to any rank, and rank 0's clock (training seconds over resumes, less time
-    in paused()). In between, nothing waits for the device or another rank, and clock(step)
-    extrapolates the same on every rank."""
+    in paused()). In between, nothing waits for the device or another rank."""
 
     def __init__(self, rt, ckpt_path, step, elapsed=0.0):
         self.rt = rt
         self.ckpt_path = ckpt_path
         self.step = step  # the last sync step, and what was agreed there
         self.elapsed = elapsed
-        self.per_step = 0.0
         self.mark = time.time()  # this rank's own since then
         self.paused_s = 0.0
         self.nonfinite = 0
         self.signalled = False
         self.handlers = {s: signal.signal(s, lambda *_: setattr(self, "signalled", True))
                          for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def clock(self, step):
-        """training seconds after `step` steps, extrapolated the same on every rank"""
-        return self.elapsed + (step - self.step) * self.per_step
 
     @contextlib.contextmanager
     def paused(self):
@@ -307,8 +285,8 @@ class Sync:
         self.nonfinite = self.nonfinite + ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
 
     def agree(self, step, loss):
-        """At a sync step: Agreed(mean_loss, elapsed, signalled), the same on every rank. A NaN or
-        inf since the last sync ends the run before it could save."""
+        """At a sync step: (the mean loss, the training seconds, whether a signal came), the same on
+        every rank. A NaN or inf since the last sync ends the run before it could save."""
         now = time.time()
         elapsed = self.elapsed + now - self.mark - self.paused_s  # rank 0's is the one used
         self.mark, self.paused_s = now, 0.0
@@ -326,11 +304,10 @@ class Sync:
             raise UserError(f"the loss or grad norm became NaN or inf between steps {self.step + 1} and {step}: "
                             f"training diverged; {kept} with a lower lr or grad_clip")
         self.nonfinite = 0
-        self.per_step = (elapsed - self.elapsed) / (step - self.step)
         self.step, self.elapsed = step, elapsed
         if signalled:
             print0(f"stopped by signal at step {step}: continue with --init_from=resume")
-        return Agreed(mean_loss, elapsed, bool(signalled))
+        return mean_loss, elapsed, bool(signalled)
 
     def release(self):
         """gives SIGINT and SIGTERM back: after the loop, Ctrl-C stops the program at once"""

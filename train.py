@@ -81,7 +81,7 @@ valid = dict(
     warmup_start_factor="in [0, 1]", min_lr=">= 0", weight_decay=">= 0", grad_clip=">= 0",
     eval_interval="> 0", eval_steps="> 0", log_interval="> 0", checkpoint_interval="> 0",
     device=runtime.check_device, dtype=runtime.DTYPES, compile="any", activation_checkpointing="any",
-    fsdp=runtime.check_fsdp, seed=">= 0", peak_flops=">= 0", wandb_log=runtime.check_wandb,
+    fsdp="any", seed=">= 0", peak_flops=">= 0", wandb_log=runtime.check_wandb,
     wandb_project="non-empty", wandb_run_name="any",
 )
 # the command line: config files, then --key=value, each checked against valid; then `config` holds
@@ -90,7 +90,7 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 # -------------------------------------------------------------------------------------------------
 
 # start-up: every check before any work
-rt = runtime.setup_runtime(device, dtype, seed)
+rt = runtime.setup_runtime(device, dtype, seed, fsdp)
 micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
 meta = checkpoint.open_data_dir(config, given_at, rt)  # the data, prepared, as the keys describe it
 tok = load_tokenizer(meta)
@@ -175,8 +175,8 @@ steps_since_log = 0
 last_step = False
 while not last_step:
     # where the schedule is, in steps: this step's number; under a time budget, the share of the
-    # budget spent, times max_steps
-    schedule_step = sync.clock(step) / budget_s * max_steps if budget_s else step + 1
+    # budget spent by the last sync step, times max_steps (the same on every rank)
+    schedule_step = sync.elapsed / budget_s * max_steps if budget_s else step + 1
     lr_now = get_lr(schedule_step, max_steps, lr_schedule, lr, warmup_steps, warmup_start_factor,
                     min_lr)
     for group in opt.param_groups:
@@ -204,18 +204,18 @@ while not last_step:
     last_step = step == max_steps
     sync_step = step % log_interval == 0 or step % checkpoint_interval == 0 or step == start_step + 1
     if sync_step or last_step:
-        agreed = sync.agree(step, train_loss)  # one all-reduce: the same values on every rank
-        last_step = last_step or agreed.signalled or 0 < budget_s <= agreed.elapsed
+        mean_loss, elapsed, signalled = sync.agree(step, train_loss)  # the same on every rank
+        last_step = last_step or signalled or 0 < budget_s <= elapsed
         dt = (time.time() - t_log) / steps_since_log
         t_log = time.time()
         steps_since_log = 0
         mfu_now = runtime.mfu(step_flops, dt, rt.world_size, peak)
-        eta_s = budget_s - agreed.elapsed if budget_s else (max_steps - step) * dt
-        logger.log({"step": step, "loss": agreed.mean_loss, "lr": lr_now, "grad_norm": grad_norm.item(),
+        eta_s = budget_s - elapsed if budget_s else (max_steps - step) * dt
+        logger.log({"step": step, "loss": mean_loss, "lr": lr_now, "grad_norm": grad_norm.item(),
                     "ms_per_step": 1000 * dt, "tokens_per_s": tokens_per_step / dt, "mfu": mfu_now,
-                    "elapsed": agreed.elapsed})
+                    "elapsed": elapsed})
         mfu_text = f" | mfu {100 * mfu_now:.1f}%" if mfu_now else ""
-        print0(f"step {step:6d} | loss {agreed.mean_loss:.4f} | lr {lr_now:.2e} | "
+        print0(f"step {step:6d} | loss {mean_loss:.4f} | lr {lr_now:.2e} | "
                f"grad norm {grad_norm.item():.3f} | {1000 * dt:.0f} ms/step | "
                f"{tokens_per_step / dt:,.0f} tok/s{mfu_text} | eta {eta_s / 3600:.2f} h")
     if step % checkpoint_interval == 0 or last_step:
