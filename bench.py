@@ -329,9 +329,9 @@ if __name__ == "__main__":
         for p, q in zip(t5.parameters(), other.parameters()):
             p.grad = torch.randn_like(p) * 1e-3
             q.grad = p.grad.clone()
-        ours = make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2)
+        ours = make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2, compile)
         if compare == "null":
-            reference = ("AdamWScale again", make_optimizer("adamwscale", param_groups(other, 0.0), 2e-2).step)
+            reference = ("AdamWScale again", make_optimizer("adamwscale", param_groups(other, 0.0), 2e-2, compile).step)
         else:
             reference = ("AdamW(foreach=True)", torch.optim.AdamW(other.parameters(), foreach=True).step)
         print0(f"one optimizer step over {t5.num_params():,} parameters")

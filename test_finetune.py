@@ -268,8 +268,8 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
     (["--data_dir=/nonexistent/natural-instructions"], "git clone https://github.com/allenai/natural-instructions"),
     (["--init_from=/nonexistent/ckpt.pt"], "no checkpoint at /nonexistent/ckpt.pt"),
 ])
-def test_bad_input_is_one_line(sni_dir, ckpt_path, args, message):
-    r = run([f"--data_dir={sni_dir}", f"--init_from={ckpt_path}", "--device=cpu", *args])
+def test_bad_input_is_one_line(sni_dir, ckpt_path, args, message, tmp_path):
+    r = run([f"--data_dir={sni_dir}", f"--init_from={ckpt_path}", "--device=cpu", f"--out_dir={tmp_path}/out", *args])
     assert r.returncode == 1, r.stderr
     assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
