@@ -200,9 +200,9 @@ def print_profile(fn, rt, rows=30):
     on = "cuda" if rt.device_type == "cuda" else "cpu"
     print0(events.table(sort_by=f"self_{on}_time_total", row_limit=rows))
     attention = sorted({e.key for e in events if e.key.startswith("aten::_scaled_dot_product")})
-    kernels = sum(e.count for e in prof.events() if e.device_type.name == on.upper() and not e.cpu_parent)
-    print0(f"attention: {', '.join(attention) or 'none found'}; {kernels:,} {on.upper()} kernels "
-           f"and ops at the top level in one step")
+    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA" or on == "cpu" and not e.cpu_parent)
+    print0(f"attention: {', '.join(attention) or 'none found'}; {kernels:,} " +
+           ("CUDA kernels in one step" if on == "cuda" else "CPU ops at the top level in one step"))
 
 def bench_train_fitting(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length,
                         compile_model, **kwargs):

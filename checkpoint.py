@@ -26,6 +26,7 @@ from runtime import print0, rank, require
 # what a run writes in its out_dir: the checkpoint (one file, or FSDP's folder of shards, or what a run
 # killed while replacing that left of it), the log and the results; a fresh run refuses to find one
 RUN_FILES = ("ckpt.pt", "ckpt", "ckpt.old", "log.jsonl", "metrics.json", "predictions.jsonl")
+NOT_A_RUN = "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"
 
 # the run's folder
 
@@ -103,9 +104,8 @@ def open_data_dir(config, given_at, rt):
             prepare(dataset="pydoc", tokenizer=config["tokenizer"], out_dir=data_dir,
                     vocab_size=config["vocab_size"])
         barrier()
-    wanted = {key: config[key] for key in ("dataset", "tokenizer", "vocab_size")}
-    if config["tokenizer"] != "train":
-        wanted["vocab_size"] = None  # the tokenizer's own
+    vocab_size = config["vocab_size"] if config["tokenizer"] == "train" else None  # else the tokenizer's
+    wanted = dict(dataset=config["dataset"], tokenizer=config["tokenizer"], vocab_size=vocab_size)
     meta = load_meta(data_dir, wanted)  # missing: the command that prepares what the keys describe
     made_with = meta["settings"]
     described = [key for key in ("dataset", "tokenizer", "vocab_size")
@@ -400,7 +400,7 @@ def load_model(init_from, **overrides):
     if path is None:
         return from_pretrained(init_from, **overrides), None
     ckpt = load_checkpoint(path)
-    with reading(path, "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"):
+    with reading(path, NOT_A_RUN):
         return model_from_checkpoint(ckpt, **overrides), ckpt
 
 def read_weights(source, rt, fsdp=False):
@@ -409,7 +409,7 @@ def read_weights(source, rt, fsdp=False):
     finetune.py or Hugging Face weights. FSDP shards stay on disk, for each rank to read its own;
     whole weights, under FSDP, rank 0 alone reads and sends each rank its slices: the others get None."""
     def of(ckpt, path=""):
-        with reading(path, "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"):
+        with reading(path, NOT_A_RUN):
             return T5Config(**ckpt["model_config"]), ckpt.get("shards") or ckpt["model"], ckpt["meta"]
     if isinstance(source, dict):  # this run's own checkpoint
         return of(source)

@@ -44,8 +44,8 @@ class AdamWScale(torch.optim.Optimizer):
     @staticmethod
     @torch.no_grad()
     def update(p, g, m, v, t, p_rms, lr, beta1, beta2, eps, weight_decay):
-        """One tensor's step, flattened: the lines above. make_optimizer(compile=True) compiles it once
-        for every tensor, into one kernel each."""
+        """One tensor's step, flattened: the lines above. make_optimizer(compile=True) compiles it, one
+        graph for tensors of every size."""
         t += 1
         m.lerp_(g, 1 - beta1)  # (1): m + (1-b1)*(g - m)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # (2)
@@ -179,7 +179,7 @@ def check_optimizer(name):
 
 def make_optimizer(name, groups, lr, compile=False):
     """One of OPTIMIZERS by name, each group's weight_decay from param_groups; lr a tensor, which
-    train.py sets in place. compile: AdamWScale's update of a tensor compiled, into one kernel."""
+    train.py sets in place. compile: AdamWScale's update of a tensor compiled."""
     if name == "adafactor":
         return Adafactor(groups, lr=lr)
     if name == "adamw":  # eps 1e-6 is HF AdamW's, which nanoT5 ran
