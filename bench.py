@@ -103,12 +103,6 @@ def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
     print0(f"{a[0]} / {b[0]}: {ratio:.2f}x the throughput (medians of {steps} alternating calls)")
     return medians
 
-def peak_memory():
-    """bytes: the CUDA allocator's high-water mark, or on CPU the process's max resident set"""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
 def build_model(rt, model_name, vocab_size, seed=1337):
     torch.manual_seed(seed)
     return T5(T5Config.from_preset(model_name, vocab_size=vocab_size)).to(rt.device)
@@ -180,12 +174,18 @@ def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_
     step_fn = training_step(t5, rt, next_batch, compile_model)
     if rt.device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    elif os.path.exists("/proc/self/clear_refs"):  # Linux: "5" resets the max resident set
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     first = burn(step_fn, burn_in)
     dt = statistics.median(timed(step_fn) for _ in range(steps))
     flops = flops_per_step(t5, batch_size, input_length, targets_length(input_length))
     tokens = batch_size * (input_length + targets_length(input_length))
     mfu_now = mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops))
-    memory = peak_memory()
+    if rt.device_type == "cuda":  # the allocator's high-water mark
+        memory = torch.cuda.max_memory_allocated()
+    else:  # the process's max resident set, in KiB on Linux
+        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     if profile:
         print_profile(step_fn, rt)
     return dt, tokens / dt, mfu_now, memory, first
@@ -292,6 +292,8 @@ if __name__ == "__main__":
     torch.set_num_threads(threads or os.cpu_count())
     rt = setup_runtime(device, dtype, seed)
     on_cuda = rt.device_type == "cuda"
+    if dtype == "tfloat32" and not on_cuda:
+        raise UserError("tfloat32 is a CUDA GPU mode: pass --dtype=bfloat16 or --dtype=float32")
     model = model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small")
     batch_size = batch_size or (128 if on_cuda or part == "data" else 4)
     micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # one line if the batch won't split
@@ -313,7 +315,7 @@ if __name__ == "__main__":
             rt, model, vocab_size, batch_size, grad_accum_steps, input_length, compile, steps, burn_in,
             peak_flops, data_dir, seed, profile)
         mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
-        first_text = f" | first call (compile): {first:.2f} s" if compile else ""
+        first_text = f" | first call (compile): {first:.2f} s" if compile and burn_in else ""
         print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | peak memory "
                f"{memory / 2**30:.2f} GB{first_text}")
     elif part == "data":  # the loader's work for one global batch: windows read, span-corrupted

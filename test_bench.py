@@ -78,18 +78,53 @@ def test_table_finishes_every_row(monkeypatch, capsys):
     assert fitted.split()[2] == "2"  # the micro-batch column
 
 
-def test_the_table_runs_the_rows_of_the_dtype_and_compile_given():
+def run_bench(*args, eager=False):
+    """bench.py as a command, on one CPU thread, t5-tiny; eager: with torch.compile's stance force_eager, so that
+    --compile=True runs without compiling"""
     import os
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "bench.py", "--table=True", "--compile=False", "--dtype=float32",
-                        "--device=cpu", "--model=t5-tiny", "--input_length=32", "--batch_size=2", "--steps=1",
-                        "--burn_in=0"],
-                       cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    script = ["-c", "import runpy, sys, torch; torch.compiler.set_stance('force_eager'); sys.argv = sys.argv[1:]; "
+              "runpy.run_path('bench.py', run_name='__main__')"] if eager else []
+    return subprocess.run([sys.executable, *script, "bench.py", "--device=cpu", "--threads=1", "--model=t5-tiny",
+                           "--input_length=32", "--steps=1", *args],
+                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_the_table_runs_the_rows_of_the_dtype_and_compile_given():
+    r = run_bench("--table=True", "--compile=False", "--dtype=float32", "--batch_size=2", "--burn_in=0")
     rows = [line.split()[:2] for line in r.stdout.splitlines() if line.lstrip().startswith(("float32", "tfloat32",
                                                                                            "bfloat16"))]
     assert r.returncode == 0 and rows == [["float32", "no"]], r.stdout + r.stderr
+
+
+def test_each_table_row_gets_its_own_peak_memory(monkeypatch, capsys):
+    training_step, extra = bench.training_step, iter([2**27, 0])  # the first row's step holds 512 MiB more
+
+    def patched(*args, **kwargs):
+        step, numel = training_step(*args, **kwargs), next(extra)
+
+        def step_and_more():
+            torch.ones(numel).add_(1)  # written, so resident
+            step()
+        return step_and_more
+    monkeypatch.setattr(bench, "training_step", patched)
+    bench.print_table("cpu", "t5-tiny", 256, 4, 32, rows=[("float32", False)] * 2, **ONE_STEP)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("float32")]
+    first, second = (float(row[6].removesuffix("GB")) for row in rows)  # the peak memory column
+    assert second < first - 0.25, rows
+
+
+def test_no_burn_in_still_prints_the_result():
+    r = run_bench("--compile=True", "--dtype=float32", "--burn_in=0", eager=True)
+    assert r.returncode == 0 and "ms/step" in r.stdout and "first call" not in r.stdout, r.stdout + r.stderr
+
+
+def test_tfloat32_off_a_cuda_gpu_is_one_error_line():
+    r = run_bench("--dtype=tfloat32", "--compile=False", "--burn_in=0")
+    assert r.returncode != 0 and "ms/step" not in r.stdout, r.stdout
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and "--dtype=float32" in r.stderr, r.stderr
 
 
 def test_side_by_side_reports_the_first_call_apart(capsys):
