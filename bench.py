@@ -292,8 +292,6 @@ if __name__ == "__main__":
     torch.set_num_threads(threads or os.cpu_count())
     rt = setup_runtime(device, dtype, seed)
     on_cuda = rt.device_type == "cuda"
-    if dtype == "tfloat32" and not on_cuda:
-        raise UserError("tfloat32 is a CUDA GPU mode: pass --dtype=bfloat16 or --dtype=float32")
     model = model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small")
     batch_size = batch_size or (128 if on_cuda or part == "data" else 4)
     micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # one line if the batch won't split

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 
 import torch
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule
 
 from files import UserError, atomic_write, reading, write_error, write_failure
-from model import T5, T5Config
+from model import PRESETS, T5, T5Config
 from prepare import load_meta, prepare
 from runtime import print0, rank, require
 
@@ -27,6 +28,8 @@ from runtime import print0, rank, require
 # killed while replacing that left of it), the log and the results; a fresh run refuses to find one
 RUN_FILES = ("ckpt.pt", "ckpt", "ckpt.old", "log.jsonl", "metrics.json", "predictions.jsonl")
 NOT_A_RUN = "{path} is not a checkpoint of train.py or finetune.py ({reason}): pass one of theirs"
+DAMAGED = ("{path} is corrupt or unreadable ({reason}): start from another checkpoint, or train a new "
+           "run in another --out_dir")
 
 # the run's folder
 
@@ -137,14 +140,24 @@ def open_out_dir(ckpt_path, config, meta, rt):
 # checkpoints
 
 def barrier():
+    """every rank waits for the others, in Python: a signal stops a waiting rank at once"""
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        waiting = torch.distributed.barrier(async_op=True)
+        while not waiting.is_completed():
+            time.sleep(0.01)
+        waiting.wait()  # raises what failed
 
 def written_by(path):
     """the program that wrote the checkpoint at path, or None if it can't be read"""
     state_file = path if path.endswith(".pt") else os.path.join(path, "state.pt")
     with contextlib.suppress(Exception):  # mmap: the weights are not read
         return torch.load(state_file, map_location="cpu", weights_only=False, mmap=True).get("program")
+
+def is_sharded(path):
+    """a folder of FSDP shards, or what a run killed while replacing it kept: its state.pt or its
+    .metadata marks it, either one left if the other is lost"""
+    folder = finished_dir(path)
+    return any(os.path.isfile(os.path.join(folder, mark)) for mark in ("state.pt", ".metadata"))
 
 def finished_dir(path):
     """where path's last complete sharded checkpoint is: path, or path.old if a run died swapping"""
@@ -164,16 +177,27 @@ def save_checkpoint(path, state):
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
     barrier()
+    problem = None
     try:
         dcp.save({"model": state["model"], "optimizer": state["optimizer"]}, checkpoint_id=tmp)
-    except dcp.CheckpointException as e:  # every rank gets every rank's failures
-        failure = write_failure(next(exc for exc, _ in e.failures.values()))
-        if failure is None:
-            raise
-        raise write_error(path, failure) from None
-    if rank() == 0:  # every rank's shards are written once dcp.save returns
-        with atomic_write(os.path.join(tmp, "state.pt")) as f:
-            torch.save({k: v for k, v in state.items() if k not in ("model", "optimizer")}, f)
+        if rank() == 0:  # every rank's shards are written once dcp.save returns
+            rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+            files = {name: os.path.getsize(os.path.join(tmp, name)) for name in os.listdir(tmp)}
+            with atomic_write(os.path.join(tmp, "state.pt")) as f:
+                torch.save(dict(rest, files=files), f)  # what a reader checks the folder against
+    except (Exception, dcp.CheckpointException) as e:  # dcp's holds each rank's error; no Exception
+        e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e
+        problem = str(write_error(path, write_failure(e) or e))
+    problems = [problem]
+    if torch.distributed.is_initialized():  # a failure on any rank fails the save on every rank
+        problems = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(problems, problem)
+    problem = next(filter(None, problems), None)
+    if problem:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays
+        raise UserError(problem)
+    if rank() == 0:
         if os.path.isdir(path):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
@@ -184,11 +208,12 @@ def save_checkpoint(path, state):
 def load_checkpoint(path, program=None, weights=True):
     """The checkpoint at path (a .pt file or a folder of FSDP shards) as one dict; with `program`,
     only one that program wrote. From shards: all but the optimizer, the whole model only if weights
-    (a sharded run's ranks read their own slices), and 'shards' naming the folder."""
+    (a sharded run's ranks read their own slices), and 'shards' naming the folder. Every way a
+    checkpoint is damaged is one line here, that names the file."""
     sharded = not path.endswith(".pt")
     found = finished_dir(path) if sharded else path
     state_file = os.path.join(found, "state.pt") if sharded else found
-    if not os.path.isfile(state_file):
+    if not os.path.exists(found):
         if sharded:
             other = path + ".pt"
             kind = "one written without FSDP: leave fsdp off"
@@ -200,20 +225,25 @@ def load_checkpoint(path, program=None, weights=True):
         else:
             hint = "check the path, or train one first with train.py"
         raise UserError(f"no {'sharded ' if sharded else ''}checkpoint at {path}; {hint}")
-    with reading(found, "{path} is corrupt or unreadable ({reason}): delete it or use another",
-                 errors=(Exception, dcp.CheckpointException)):  # dcp's exception is no Exception
+    with reading(state_file, DAMAGED):
         state = torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)  # read in use
-        if sharded and weights:
-            tensors = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
-            model = {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
-                     for key, md in tensors.items()
-                     if key.startswith("model.") and isinstance(md, dcp.TensorStorageMetadata)}
-            with warnings.catch_warnings():  # no_dist: each caller reads the whole model on its own
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load({"model": model}, checkpoint_id=found, no_dist=True)
-            state = dict(state, model=model)
         if sharded:
             state = dict(state, shards=found)
+    if sharded:  # every file of the shards as long as when it was saved: none lost, none cut
+        for name, size in state.get("files", {}).items():
+            file = os.path.join(found, name)
+            with reading(file, DAMAGED):
+                if os.path.getsize(file) != size:  # a lost file: FileNotFoundError
+                    raise EOFError(f"{size:,} bytes when saved, {os.path.getsize(file):,} now")
+    if sharded and weights:
+        tensors = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
+        model = {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
+                 for key, md in tensors.items()
+                 if key.startswith("model.") and isinstance(md, dcp.TensorStorageMetadata)}
+        with warnings.catch_warnings():  # no_dist: each caller reads the whole model on its own
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": model}, checkpoint_id=found, no_dist=True)
+        state["model"] = model
     if program and (not isinstance(state, dict) or state.get("program") != program):
         writer = state.get("program") if isinstance(state, dict) else None
         raise UserError(f"{path} was written by {writer or 'another program'}, and {program} "
@@ -367,8 +397,12 @@ def read_weights_file(folder):
 def find_weights(init_from):
     """The checkpoint of a run of train.py or finetune.py that init_from names (its out_dir, ckpt.pt or
     ckpt/), or None for Hugging Face weights (a folder, or a Hub name); what is neither is one line."""
+    shards = os.path.dirname(init_from)
+    if not os.path.isdir(init_from) and os.path.isfile(os.path.join(shards, ".metadata")):  # state.pt, say
+        raise UserError(f"{init_from} is one file of the sharded checkpoint {shards}: pass "
+                        f"--init_from={shards}")
     for path in (init_from, os.path.join(init_from, "ckpt.pt"), os.path.join(init_from, "ckpt")):
-        if os.path.isfile(path if path.endswith(".pt") else os.path.join(finished_dir(path), "state.pt")):
+        if path.endswith(".pt") and os.path.isfile(path) or is_sharded(path):
             return path
     if init_from.endswith(".pt"):
         return init_from  # a missing one: load_checkpoint names it
@@ -377,10 +411,14 @@ def find_weights(init_from):
                         f"--init_from a run's out_dir or Hugging Face weights")
     out_dir = re.compile(rf"^out_dir = [\"']{re.escape(init_from.rstrip('/'))}[\"']", re.M)
     made_by = [path for path in sorted(glob.glob("config/*.py")) if out_dir.search(open(path).read())]
-    if not os.path.exists(init_from) and (made_by or os.path.isdir(os.path.dirname(init_from))):  # a path
+    missing = not os.path.exists(init_from) and (made_by or os.path.isdir(os.path.dirname(init_from)))
+    weights = (".json", ".safetensors", ".bin")  # Hugging Face's config.json and weights
+    empty = os.path.isdir(init_from) and not any(f.endswith(weights) for f in os.listdir(init_from))
+    if missing or empty:
         train = f" (`python train.py {made_by[0]}` trains it)" if made_by else ""
-        raise UserError(f"{init_from} does not exist{train}: pass a run of train.py or finetune.py (its "
-                        f"out_dir, ckpt.pt or ckpt/), a folder with Hugging Face weights, or a Hub name")
+        raise UserError(f"{init_from} {'does not exist' if missing else 'holds no run or weights'}{train}: "
+                        f"pass a run of train.py or finetune.py (its out_dir, ckpt.pt or ckpt/), a folder "
+                        f"with Hugging Face weights, or a Hub name")
     require("safetensors", f"--init_from={init_from} (Hugging Face weights)")
     return None
 
@@ -403,11 +441,12 @@ def load_model(init_from, **overrides):
     with reading(path, NOT_A_RUN):
         return model_from_checkpoint(ckpt, **overrides), ckpt
 
-def read_weights(source, rt, fsdp=False):
+def read_weights(source, rt, fsdp=False, preset=None):
     """(T5Config, weights for load_weights, the run's data meta or None) of what a run starts from:
     a resumed checkpoint (from load_checkpoint), or what init_from names, a run of train.py or
-    finetune.py or Hugging Face weights. FSDP shards stay on disk, for each rank to read its own;
-    whole weights, under FSDP, rank 0 alone reads and sends each rank its slices: the others get None."""
+    finetune.py or Hugging Face weights, of the shape of the model preset if one is given. FSDP
+    shards stay on disk, for each rank to read its own; whole weights, under FSDP, rank 0 alone
+    reads and sends each rank its slices: the others get None."""
     def of(ckpt, path=""):
         with reading(path, NOT_A_RUN):
             return T5Config(**ckpt["model_config"]), ckpt.get("shards") or ckpt["model"], ckpt["meta"]
@@ -415,15 +454,22 @@ def read_weights(source, rt, fsdp=False):
         return of(source)
     print0(f"a new run from the weights of {source} (--init_from=resume continues a run)")
     path = find_weights(source)
-    if fsdp and path and not path.endswith(".pt"):  # shards: each rank reads its own
-        return of(load_checkpoint(path, weights=False), path)
+    sharded = fsdp and path and not path.endswith(".pt")
     config = weights = meta = None
-    if rt.master or not fsdp:
+    if sharded:  # each rank reads its own shards
+        config, weights, meta = of(load_checkpoint(path, weights=False), path)
+    elif rt.master or not fsdp:
         config, weights, meta = of(load_checkpoint(path), path) if path else (*read_hf(source), None)
-    if fsdp:  # the other ranks get rank 0's config and meta, not its weights
+    if fsdp and not sharded:  # the other ranks get rank 0's config and meta, not its weights
+        barrier()  # while rank 0 reads
         shared = [(config, meta)]
         torch.distributed.broadcast_object_list(shared, src=0)
         config, meta = shared[0]
+    if preset:  # a new run's --model: the shape of its weights
+        theirs = [name for name, shape in PRESETS.items() if shape.items() <= dataclasses.asdict(config).items()]
+        if preset not in theirs:
+            fix = f"pass --model={theirs[0]}" if theirs else "add their shape to model.py's PRESETS"
+            raise UserError(f"--model={preset} is not the shape of the weights in {source}: {fix}")
     return config, weights, meta
 
 def load_weights(model, weights):

@@ -9,8 +9,9 @@ import os as _os
 import signal as _signal
 import sys as _sys
 
-if _signal.getsignal(_signal.SIGINT) is not _signal.SIG_IGN:  # the imports are done: Ctrl-C
-    _signal.signal(_signal.SIGINT, _signal.default_int_handler)  # raises KeyboardInterrupt again
+for _signum in (_signal.SIGINT, _signal.SIGTERM):  # the imports are done: Ctrl-C and SIGTERM
+    if _signal.getsignal(_signum) is not _signal.SIG_IGN:
+        _signal.signal(_signum, _signal.default_int_handler)  # raise KeyboardInterrupt
 
 def _keys_of(namespace):  # config keys: lower-case names of these types; UPPER_CASE are constants
     return {k: v for k, v in namespace.items()

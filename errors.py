@@ -1,9 +1,10 @@
 """
 What each script imports first, before its slow imports: from then on an error the user can fix
 (UserError, an OS error on a file, running out of memory) is one line `error: ...` on stderr, not a
-traceback, and so is Ctrl-C. Under torchrun, rank 0 says the line again, last. While the script
-imports, Ctrl-C stops it at once; configurator.py makes it a KeyboardInterrupt again.
+traceback, and so are Ctrl-C and SIGTERM. Under torchrun, rank 0 says the line again, last. While
+the script imports, either signal stops it at once; configurator.py makes them a KeyboardInterrupt.
 """
+import atexit
 import contextlib
 import os
 import select
@@ -37,12 +38,23 @@ def print_user_errors(exc_type, exc, tb, _default=sys.excepthook):
     if message is None:
         return _default(exc_type, exc, tb)
     print(message, file=sys.stderr)
-    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK") == "0":
-        say_after_torchrun(message)
+    say_last(message)
+    atexit.register(leave, 130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
-def say_after_torchrun(message):
-    """torchrun reports after the ranks exit: a child, out of the rank's process group (which torchrun
-    stops), waits for torchrun to exit and says the line again, last"""
+def leave(code):
+    """Under torchrun, the rank ends at once, its output flushed: a collective it left would hang
+    the interpreter's clean-up until torchrun kills it."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+def say_last(message):
+    """Under torchrun, rank 0 says message again after torchrun's own report, which comes once the
+    ranks exit: a child, out of the rank's process group (which torchrun stops), waits for torchrun
+    to exit and says it, last."""
+    if not (os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK") == "0"):
+        return
     launcher = os.getppid()
     if os.fork() == 0:
         os.setsid()
@@ -55,8 +67,10 @@ def interrupted_while_starting(signum, frame):
     # while the script imports: nothing to clean up yet, and a library's bare `except:` could
     # swallow the KeyboardInterrupt, and the program go on
     os.write(2, f"{INTERRUPTED}\n".encode())
-    os._exit(130)
+    say_last(INTERRUPTED)
+    os._exit(128 + signum)
 
 sys.excepthook = print_user_errors
-if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the caller ignores it
-    signal.signal(signal.SIGINT, interrupted_while_starting)
+for _signal in (signal.SIGINT, signal.SIGTERM):
+    if signal.getsignal(_signal) in (signal.default_int_handler, signal.SIG_DFL):  # not if ignored
+        signal.signal(_signal, interrupted_while_starting)

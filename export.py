@@ -33,7 +33,7 @@ if __name__ == "__main__":
         raise UserError(f"{init_from} was trained with the {meta['settings']['tokenizer']} tokenizer, "
                         f"which a Hugging Face T5 folder cannot hold: export a sentencepiece run")
     if meta:
-        load_tokenizer(meta)  # the run's own tokenizer, checked before anything is written
+        load_tokenizer(meta, vocab_size=model.config.vocab_size)  # checked before any write
     save_pretrained(model, out_dir)
     if meta:
         with open(os.path.join(meta["data_dir"], meta["tokenizer_file"]), "rb") as f:

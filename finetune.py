@@ -247,7 +247,7 @@ if __name__ == "__main__":
         model = T5(dataclasses.replace(t5_config, dropout=dropout))
     train_model = wrap_model(model, rt, fsdp, compile, dynamic=True)  # batches of many lengths
     load_weights(model, weights)
-    tokenizer = load_tokenizer(meta, init_from)
+    tokenizer = load_tokenizer(meta, init_from, model.config.vocab_size)
     print0(f"{model.num_params() / 1e6:.1f}M parameters from {init_from}")
 
     def tokenized_split(split):
@@ -256,11 +256,6 @@ if __name__ == "__main__":
         return [tokenize_example(ex, tokenizer, model.config.eos_token_id, *limits) for ex in examples]
     test_examples = tokenized_split("test")
     train_examples = [] if eval_only else tokenized_split("train")
-    # caught here rather than deep in a CUDA kernel
-    top_id = max(max(ex["input_ids"] + ex["labels"]) for ex in train_examples + test_examples)
-    if top_id >= model.config.vocab_size:
-        raise UserError(f"the tokenizer makes id {top_id} but the model has vocab_size "
-                        f"{model.config.vocab_size}: {init_from} was not trained with this tokenizer")
     print0(f"{len(train_examples):,} train and {len(test_examples):,} test examples")
     steps_per_epoch = len(train_examples) // batch_size
     if not eval_only and not steps_per_epoch:

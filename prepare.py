@@ -135,7 +135,7 @@ def _write_tokenizer(tokenizer, vocab_size, out_dir, docs):
     if tok.vocab_size > 1 << 16:
         raise UserError(f"the tokenizer's {tok.vocab_size} ids don't fit uint16: use at most {MAX_VOCAB_SIZE}")
     return {"tokenizer_file": file, "tokenizer_sha256": spiece and hashlib.sha256(spiece).hexdigest(),
-            "model_vocab_size": math.ceil(tok.vocab_size / 128) * 128,  # padded for fast matmuls
+            "model_vocab_size": tok.model_vocab_size,
             **{key: getattr(tok, key) for key in TOKENIZER_IDS}}
 
 def shard_name(i):
@@ -330,6 +330,11 @@ class Tokenizer:
         # ordinary: a text that holds "<|endoftext|>" is just text
         self.encode, self._decode = self.enc.encode_ordinary, self.enc.decode
 
+    @property
+    def model_vocab_size(self):
+        """the vocab of a model trained with this tokenizer: its ids, padded for fast matmuls"""
+        return math.ceil(self.vocab_size / 128) * 128
+
     def encode_documents(self, texts):
         """(uint16 ids of all texts, each followed by EOS; each one's length)"""
         if hasattr(self, "sp"):  # int arrays, not lists: a Python int per token holds the GIL
@@ -470,21 +475,35 @@ def rebuild(meta, problem):
     rebuilds it"""
     return UserError(f"{problem}: rebuild it with `{prepare_command(meta['settings'], meta['data_dir'])}`")
 
-def load_tokenizer(meta, hf_folder=""):
+def load_tokenizer(meta, hf_folder="", vocab_size=None):
     """A prepared folder's tokenizer (from its path, or its meta as checkpoints keep it), checked;
-    without meta, T5's: hf_folder's spiece.model, or the Hub's."""
+    without meta, T5's: hf_folder's spiece.model, or the Hub's. With vocab_size, a model's: the
+    tokenizer must make that vocab, or the model would read garbage, its sentinels at other ids."""
     if not meta:
         spiece = os.path.join(hf_folder, "spiece.model")
-        return Tokenizer(spiece if os.path.isfile(spiece) else t5_spiece())
-    meta = load_meta(meta) if isinstance(meta, str) else meta
-    file = meta["tokenizer_file"]
-    if file:
-        check_files(meta, [file])
-    tok = Tokenizer(file and os.path.join(meta["data_dir"], file))
-    wrong = [f"{key} {meta[key]}, not {getattr(tok, key)}" for key in TOKENIZER_IDS if meta[key] != getattr(tok, key)]
-    if wrong:  # an edited meta.json: its sentinels would be ordinary pieces
-        raise UserError(f"{meta['data_dir']}/meta.json records {', '.join(wrong)} as its tokenizer says: delete "
-                        f"it and rebuild the folder with `{prepare_command(meta['settings'], meta['data_dir'])}`")
+        if not os.path.isfile(spiece) and vocab_size not in (None, 32128):  # not T5's tokenizer's
+            raise UserError(f"{hf_folder} holds no spiece.model, and its vocab of {vocab_size} is not T5's "
+                            f"tokenizer's: copy the tokenizer.model its data was prepared with there as "
+                            f"spiece.model")
+        source = spiece
+        tok = Tokenizer(spiece if os.path.isfile(spiece) else t5_spiece())
+    else:
+        meta = load_meta(meta) if isinstance(meta, str) else meta
+        source = meta["data_dir"]
+        file = meta["tokenizer_file"]
+        if file:
+            check_files(meta, [file])
+        tok = Tokenizer(file and os.path.join(meta["data_dir"], file))
+        wrong = [f"{key} {meta[key]}, not {getattr(tok, key)}" for key in TOKENIZER_IDS
+                 if meta[key] != getattr(tok, key)]
+        if wrong:  # an edited meta.json: its sentinels would be ordinary pieces
+            raise UserError(f"{meta['data_dir']}/meta.json records {', '.join(wrong)} as its tokenizer says: "
+                            f"delete it and rebuild the folder with "
+                            f"`{prepare_command(meta['settings'], meta['data_dir'])}`")
+    if vocab_size not in (None, tok.model_vocab_size):
+        raise UserError(f"the tokenizer of {source} is not the model's: its {tok.vocab_size} ids (sentinels "
+                        f"included) make a model vocab of {tok.model_vocab_size}, not its vocab_size "
+                        f"{vocab_size}; use the tokenizer the model was trained with")
     return tok
 
 if __name__ == "__main__":

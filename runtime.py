@@ -132,6 +132,9 @@ def setup_runtime(device="auto", dtype="bfloat16", seed=1337, fsdp=False):
         if not {"avx512_bf16", "amx_bf16", "bf16"} & set(cpuinfo.split()):
             print0("this CPU has no native bf16 matmuls: running in float32 instead")
             dtype = "float32"
+    if device_type != "cuda" and dtype == "tfloat32":
+        print0("no TF32 off an NVIDIA GPU: running in float32 instead")
+        dtype = "float32"
     if ddp and device_type == "cuda":
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
@@ -271,8 +274,15 @@ class Sync:
         self.paused_s = 0.0
         self.nonfinite = 0
         self.signalled = False
-        self.handlers = {s: signal.signal(s, lambda *_: setattr(self, "signalled", True))
-                         for s in (signal.SIGINT, signal.SIGTERM)}
+        self.stopped_by_signal = False
+        self.handlers = {s: signal.signal(s, self.stop_soon) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop_soon(self, signum, frame):
+        """SIGINT or SIGTERM: noted for the next sync step, and said at once, even mid-step"""
+        if not self.signalled and self.rt.master:
+            os.write(2, f"{signal.Signals(signum).name}: the run saves a checkpoint and stops at its next "
+                        f"log step\n".encode())
+        self.signalled = True
 
     @contextlib.contextmanager
     def paused(self):
@@ -305,11 +315,19 @@ class Sync:
                             f"training diverged; {kept} with a lower lr or grad_clip")
         self.nonfinite = 0
         self.step, self.elapsed = step, elapsed
+        self.stopped_by_signal = bool(signalled)
         if signalled:
-            print0(f"stopped by signal at step {step}: continue with --init_from=resume")
-        return mean_loss, elapsed, bool(signalled)
+            print0(self.stop_line())
+        return mean_loss, elapsed, self.stopped_by_signal
+
+    def stop_line(self):
+        return f"stopped by signal at step {self.step}: continue with --init_from=resume"
 
     def release(self):
-        """gives SIGINT and SIGTERM back: after the loop, Ctrl-C stops the program at once"""
+        """After the loop: SIGINT and SIGTERM stop the program at once again; a run a signal stopped,
+        its checkpoint saved, says so last (under torchrun, after torchrun's report)"""
         for s, handler in self.handlers.items():
             signal.signal(s, handler)
+        if self.stopped_by_signal:
+            import errors  # here, not at the top: importing it sets the scripts' hooks
+            errors.say_last(self.stop_line())

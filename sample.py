@@ -75,7 +75,7 @@ if __name__ == "__main__":
     meta = ckpt["meta"] if ckpt is not None else None
     if not text and meta is None:
         raise UserError(f"{init_from} brings no data of its own to fill in: pass --text=\"...<extra_id_0>...\"")
-    tok = load_tokenizer(meta, init_from)
+    tok = load_tokenizer(meta, init_from, model.config.vocab_size)
     if text:
         inputs, truths = torch.tensor([encode(tok, text)]), [None]
     else:  # the first held-out windows of the run's data, noised as its evaluations are

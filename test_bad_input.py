@@ -64,11 +64,13 @@ WORDS_5000 = " ".join(["word"] * 5000)  # Python's parser runs out of memory on 
 # (name, command, words the error line must contain, its fix). In commands, {tmp} is the case's own empty folder, and
 # each case gets its own copy of the places in OWN_COPIES it names: {run} (a train.py run with a checkpoint), {ftrun}
 # (a finetune.py run with one), {sharded} (a train.py --fsdp=True run, its checkpoint a folder), {prepared} (a
-# prepared folder), damaged copies of it, and a run's folder holding only a log ({logonly}). The others are shared:
-# {data} the prepared folder, {other} a copy with other settings, {locked} a run another process holds, {ckpt} a
-# checkpoint to fine-tune, {hfweights} Hugging Face weights, {sni} an SNI clone, {corpus} the text {data} was
-# prepared from, {bad} bad files, {results} a finished finetune.py evaluation. "hide:package" runs the case as if
-# that package were not installed.
+# prepared folder), damaged copies of it, a run's folder holding only a log ({logonly}), and tiny Hugging Face weights
+# without their tokenizer ({nospiece}). The others are shared: {data} the prepared folder, {other} a copy with other
+# settings, {locked} a run another process holds, {ckpt} a checkpoint to fine-tune, {hfweights} Hugging Face weights,
+# {miniweights} t5-mini's, {smallvocab} and {bigvocab} weights of vocabs {data}'s tokenizer beside them does not make,
+# {bigvocabrun} a run of such a model, {nostate}, {nometadata} and {cutshard} damaged copies of {sharded}, {sni} an
+# SNI clone, {corpus} the text {data} was prepared from, {bad} bad files, {results} a finished finetune.py evaluation.
+# "hide:package" runs the case as if that package were not installed.
 # A fix is what the error line says to do: "undo", the script's base command without the mistake (one run serves every
 # row that undoes to it); args that replace or join the case's, or a whole command (starting with a script);
 # "suggested": run the command the line quotes, then the case's again; "follow": the --key=value it names; "installed":
@@ -247,10 +249,39 @@ CASES = [
     ("export without safetensors", [*EXPORT, "hide:safetensors"], "pip install safetensors", "installed"),
     ("bench against transformers without it", [*BENCH, "--compare=hf", "hide:transformers"],
      "pip install transformers", "installed"),
+    # 18. a checkpoint, one file or shards, damaged or named by one of its files, is one line that names the file
+    ("sample shards without state.pt", [*SAMPLE, "--init_from={nostate}"], "ckpt/state.pt is corrupt or unreadable",
+     "undo"),
+    ("export shards cut short", [*EXPORT, "--init_from={cutshard}"], "__0_0.distcp is corrupt or unreadable (",
+     "undo"),
+    ("finetune from shards without .metadata", [*FINETUNE, "--out_dir={tmp}/out", "--init_from={nometadata}"],
+     "ckpt/.metadata is corrupt or unreadable", "undo"),
+    ("train from shards cut short", [*TRAIN, "--out_dir={tmp}/out", "--init_from={cutshard}"],
+     "train a new run in another --out_dir", ["--init_from=scratch"]),
+    ("sample a file of a sharded checkpoint", [*SAMPLE, "--init_from={sharded}/ckpt/state.pt"],
+     "is one file of the sharded checkpoint", "follow"),
+    ("finetune init_from a folder with no run", [*FINETUNE, "--out_dir={tmp}/out", "--init_from=config"],
+     "config holds no run or weights", "undo"),
+    # 19. a new run is the shape of the weights it starts from
+    ("train --model against its weights", [*TRAIN, "--out_dir={tmp}/out", "--init_from={miniweights}"],
+     "--model=t5-tiny is not the shape of the weights", "follow"),
+    # 20. a model reads only a tokenizer of its vocab
+    ("sample an export without spiece.model", [*SAMPLE, "--init_from={nospiece}", "--text=a <extra_id_0> b"],
+     "holds no spiece.model", lambda places, line: shutil.copy(os.path.join(places["data"], "tokenizer.model"),
+                                                               os.path.join(places["nospiece"], "spiece.model"))),
+    ("sample a tokenizer of more ids than the model", [*SAMPLE, "--init_from={smallvocab}", "--text=a <extra_id_0>"],
+     "is not the model's: its 164 ids", "undo"),
+    ("sample a tokenizer of fewer ids than the model", [*SAMPLE, "--init_from={bigvocab}", "--text=a <extra_id_0>"],
+     "is not the model's: its 164 ids", "undo"),
+    ("finetune a tokenizer not the model's", [*FINETUNE, "--out_dir={tmp}/out", "--init_from={bigvocab}"],
+     "is not the model's", "undo"),
+    ("export a run whose tokenizer is not its model's", [*EXPORT, "--init_from={bigvocabrun}"], "is not the model's",
+     "undo"),
 ]
 OWN_COPIES = ("run", "ftrun", "prepared", "sharded", "short", "noval", "othertok", "longshard", "badlog", "edited",
-              "spent")
-SHARED = ("data", "other", "locked", "results", "nometa", "logonly", "hfweights")
+              "spent", "nospiece")
+SHARED = ("data", "other", "locked", "results", "nometa", "logonly", "hfweights", "nostate", "cutshard", "nometadata",
+          "miniweights", "smallvocab", "bigvocab", "bigvocabrun")
 # a folder whose sitecustomize.py hides the packages HIDDEN_PACKAGES names: importlib finds none of them
 HIDING = """import os, sys
 for name in os.environ.get("HIDDEN_PACKAGES", "").split(","):
@@ -286,15 +317,15 @@ def write_sni(root, seed=0):
     (root / "splits" / "default" / "test_tasks.txt").write_text("task002_copy\n")
 
 
-def tiny_t5(meta):
-    return T5(T5Config(vocab_size=meta["model_vocab_size"], d_model=32, d_kv=8, d_ff=64, num_layers=1,
+def tiny_t5(meta, vocab_size=None):
+    return T5(T5Config(vocab_size=vocab_size or meta["model_vocab_size"], d_model=32, d_kv=8, d_ff=64, num_layers=1,
                        num_decoder_layers=1, num_heads=2))
 
 
-def tiny_checkpoint(path, meta, config, optimizer, program="train.py", elapsed=0.0):
+def tiny_checkpoint(path, meta, config, optimizer, program="train.py", elapsed=0.0, vocab_size=None):
     """a checkpoint in train.py's format of a very small T5 (at a path not ending in .pt, a directory of shards, as
     --fsdp=True writes), at step 1"""
-    t5 = tiny_t5(meta)
+    t5 = tiny_t5(meta, vocab_size)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     opt = make_optimizer(optimizer, param_groups(t5, 0.0), 1e-3)
     state = run_state(t5, opt, 1, elapsed, dict(config, optimizer=optimizer), meta, program)
@@ -346,8 +377,15 @@ def places(tmp_path_factory):
     tiny_checkpoint(str(root / "pretrained" / "ckpt.pt"), meta, {}, "adamwscale")
     tiny_checkpoint(str(root / "spent" / "ckpt.pt"), meta, dict(run_config, time_budget_hours=1.0), "adamwscale",
                     elapsed=3600.0)
-    save_pretrained(tiny_t5(meta), str(root / "hfweights"))  # with its tokenizer, as export.py writes them
-    shutil.copy(os.path.join(data, "tokenizer.model"), root / "hfweights" / "spiece.model")
+    tiny_checkpoint(str(root / "bigvocabrun" / "ckpt.pt"), meta, run_config, "adamwscale", vocab_size=384)
+    # Hugging Face weights with the tokenizer of {data} beside them, as export.py writes them: tiny ones, t5-mini's
+    # shape, and vocabs its tokenizer did not make; and tiny ones without their tokenizer
+    for name, t5 in (("hfweights", tiny_t5(meta)), ("smallvocab", tiny_t5(meta, 128)), ("bigvocab", tiny_t5(meta, 384)),
+                     ("miniweights", T5(T5Config.from_preset("t5-mini", vocab_size=meta["model_vocab_size"]))),
+                     ("nospiece", tiny_t5(meta))):
+        save_pretrained(t5, str(root / name))
+        if name != "nospiece":
+            shutil.copy(os.path.join(data, "tokenizer.model"), root / name / "spiece.model")
     (root / "logonly").mkdir()  # a run killed before its first checkpoint
     (root / "logonly" / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     (root / "hide").mkdir()
@@ -359,6 +397,17 @@ def places(tmp_path_factory):
     (root / "results").mkdir()
     (root / "results" / "metrics.json").write_text('{"rougeL": 40.7}')
     (root / "results" / "predictions.jsonl").write_text('{"prediction": "a finished run"}\n')
+
+    def cut_distcp(folder):
+        with open(folder / "ckpt" / "__0_0.distcp", "r+b") as f:
+            f.truncate(1000)
+
+    def without(name):
+        return lambda folder: os.remove(folder / "ckpt" / name)
+
+    nostate = copy_data(root / "sharded", root / "nostate", without("state.pt"))
+    nometadata = copy_data(root / "sharded", root / "nometadata", without(".metadata"))
+    cutshard = copy_data(root / "sharded", root / "cutshard", cut_distcp)
 
     def other_tokenizer(folder):
         smaller = prepare(dataset=corpus, tokenizer="train", out_dir=str(root / "smaller"), vocab_size=48)
@@ -409,7 +458,9 @@ def places(tmp_path_factory):
                 nometa=copy_data(data, root / "nometa", without_eos_id),
                 longshard=copy_data(data, root / "longshard", one_byte_more),
                 edited=copy_data(data, root / "edited", sentinels_moved), spent=str(root / "spent"),
-                logonly=str(root / "logonly"), hfweights=str(root / "hfweights"), hide=str(root / "hide"))
+                logonly=str(root / "logonly"), hfweights=str(root / "hfweights"), hide=str(root / "hide"),
+                nostate=nostate, nometadata=nometadata, cutshard=cutshard, bigvocabrun=str(root / "bigvocabrun"),
+                **{name: str(root / name) for name in ("miniweights", "smallvocab", "bigvocab", "nospiece")})
 
 
 def snapshot(folders):

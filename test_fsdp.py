@@ -20,7 +20,7 @@ import torch
 from checkpoint import load_checkpoint, model_from_checkpoint
 from prepare import prepare
 from test_finetune import sni_dir  # noqa: F401 (a fixture)
-from test_train import TINY, data_dir, read_log, run, start_until_step  # noqa: F401 (data_dir is a fixture)
+from test_train import REPO, TINY, data_dir, read_log, run, start_until_step  # noqa: F401 (data_dir is a fixture)
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # 8 steps, a checkpoint at step 4 and at the end
@@ -120,6 +120,56 @@ def test_half_written_checkpoint_is_never_taken(runs, tmp_path):
     (out / "ckpt.tmp").mkdir()
     (out / "ckpt.tmp" / "__0_0.distcp").write_bytes(b"half")
     assert load_checkpoint(str(out / "ckpt"))["step"] == 8
+
+
+def test_a_damaged_sharded_resume_is_one_line_on_every_rank(runs, data_dir, tmp_path):  # noqa: F811
+    out = str(tmp_path / "out")
+    shutil.copytree(runs["adamwscale", "fsdp"][0], out)
+    os.truncate(os.path.join(out, "ckpt", "__1_0.distcp"), 1000)  # rank 1's shards, cut short
+    r = run([*TORCHRUN, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out}", "--fsdp=True",
+             "--init_from=resume"])
+    line = f"error: {out}/ckpt/__1_0.distcp is corrupt or unreadable ("
+    assert r.returncode != 0 and "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr
+    assert f"[rank0]: {line}" in r.stderr and f"[rank1]: {line}" in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(line), r.stderr
+
+
+# a sharded save on 2 ranks over gloo, with one rank's disk full from the second save on (writes past 2 KB fail)
+FULL_DISK_SAVE = """
+import os, resource, signal, sys
+sys.path.insert(0, {repo!r})
+import errors
+import torch
+from checkpoint import run_state, save_checkpoint
+from model import T5, T5Config
+from optim import make_optimizer, param_groups
+from runtime import draw_weights, setup_runtime, wrap_model
+rt = setup_runtime("cpu", "float32", 0, fsdp=True)
+with torch.device("meta"):
+    t5 = T5(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2))
+wrap_model(t5, rt, fsdp=True)
+draw_weights(t5)
+opt = make_optimizer("adamwscale", param_groups(t5, 0.0), 1e-3)
+save_checkpoint(sys.argv[1], run_state(t5, opt, 1, 0.0, {{}}))
+if rt.rank == {full_rank}:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+save_checkpoint(sys.argv[1], run_state(t5, opt, 2, 0.0, {{}}))
+"""
+
+
+@pytest.mark.parametrize("full_rank", [0, 1])
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path, full_rank):
+    script = tmp_path / "save.py"
+    script.write_text(FULL_DISK_SAVE.format(repo=REPO, full_rank=full_rank))
+    ckpt = str(tmp_path / "ckpt")
+    r = run([*TORCHRUN, str(script), ckpt])
+    assert r.returncode != 0 and "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr
+    line = r.stderr.strip().splitlines()[-1]  # the same on every rank, said last
+    assert line.startswith(f"error: could not write {ckpt}: ") and line.endswith("the previous ckpt is unchanged")
+    assert f"[rank0]: {line}" in r.stderr and f"[rank1]: {line}" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "save.py"]  # no ckpt.tmp
+    assert load_checkpoint(ckpt)["step"] == 1
 
 
 def test_finetune_from_a_sharded_checkpoint_matches_one_process(runs, sni_dir, tmp_path):  # noqa: F811

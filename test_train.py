@@ -486,3 +486,60 @@ def test_out_of_memory_is_one_line(tmp_path):
     r = run([str(script)])
     assert r.returncode == 1 and r.stderr.startswith("error: out of memory (") and "lower batch_size" in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
+
+
+# train.py with each checkpoint save slowed down and said on stdout, so that a signal can come in the middle of one
+SLOW_SAVES = """
+import os, runpy, sys, time
+sys.path.insert(0, {repo!r})
+import errors, checkpoint
+save_checkpoint = checkpoint.save_checkpoint
+
+def slow_save_checkpoint(path, state):
+    print("saving", flush=True)
+    time.sleep(2)
+    save_checkpoint(path, state)
+
+checkpoint.save_checkpoint = slow_save_checkpoint
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path(os.path.join({repo!r}, "train.py"), run_name="__main__")
+"""
+INTERRUPTED = "interrupted: what was finished is kept; run the same command again to go on"
+STOPPED = "stopped by signal at step "
+# (phase, the signal, what the run prints just before it comes, the line said last)
+PHASES = [("imports", signal.SIGINT, None, INTERRUPTED), ("start-up", signal.SIGTERM, "training a 1000-piece", INTERRUPTED),
+          ("loop", signal.SIGINT, "step      2 ", STOPPED), ("save", signal.SIGTERM, "saving", STOPPED)]
+
+
+@pytest.mark.parametrize("phase, signum, after, last", PHASES, ids=[phase for phase, _, _, _ in PHASES])
+def test_a_signal_to_torchrun_is_answered_at_once_and_said_last(data_dir, tmp_path, phase, signum, after, last):
+    # Ctrl-C or SIGTERM reaches torchrun, which passes it to the ranks: each stops at once (where they have
+    # nothing to save) or at the next log step, after a checkpoint, and none has to be killed; the project's line
+    # comes after torchrun's own report
+    script = tmp_path / "slow_saves.py"
+    script.write_text(SLOW_SAVES.format(repo=REPO))
+    data = tmp_path / "pydoc" if phase == "start-up" else data_dir  # pydoc, prepared on first use
+    out = tmp_path / "out"
+    args = [*TINY, f"--data_dir={data}", f"--out_dir={out}", "--max_steps=1000", "--eval_interval=1000",
+            f"--checkpoint_interval={1 if phase == 'save' else 1000}"]
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen([sys.executable, *launch, str(script) if phase == "save" else "train.py", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if after is None:  # the ranks have started, and import
+        while not any(open(path).read().strip() for path in glob.glob(f"/proc/{proc.pid}/task/*/children")):
+            time.sleep(0.01)
+        time.sleep(0.5)
+    stdout = ""
+    while after and after not in stdout and proc.poll() is None:
+        stdout += proc.stdout.readline()
+    proc.send_signal(signum)
+    stdout, stderr = (stdout + more for more in proc.communicate(timeout=120))
+    assert proc.returncode != 0 and stderr.count("Traceback") == 1, stderr  # torchrun's own, for the signal
+    assert "forcefully exiting" not in stderr, stderr  # no rank left waiting until torchrun's SIGKILL
+    assert stderr.strip().splitlines()[-1].startswith(last), stderr
+    if last == STOPPED:
+        assert "the run saves a checkpoint and stops at its next log step" in stderr, stderr
+        step = int(stderr.strip().splitlines()[-1].removeprefix(STOPPED).split(":")[0])
+        import torch
+        assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == step
