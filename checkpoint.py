@@ -256,8 +256,8 @@ def run_state(t5, optimizer, step, elapsed, config, meta=None, program="train.py
     rank calls this: the tensors are this rank's shards, the RNG states every rank's."""
     sharded = isinstance(t5, FSDPModule)
     rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's GPU's only: a resume may see another number of GPUs
+        rng["cuda"] = torch.cuda.get_rng_state()
     if sharded:
         rngs = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(rngs, rng)
@@ -283,8 +283,8 @@ def restore_state(ckpt, t5, optimizer):
     if isinstance(rng, list):  # every rank's
         rng = rng[rank() % len(rng)]
     torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    if torch.is_tensor(rng.get("cuda")) and torch.cuda.is_available():  # not a list of every GPU's
+        torch.cuda.set_rng_state(rng["cuda"])
     return ckpt["step"], ckpt["elapsed"]
 
 def model_from_checkpoint(ckpt, **overrides):

@@ -214,6 +214,7 @@ def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens,
     all_steps (FSDP): every rank runs as many batches and decoding steps, the same model calls."""
     # sorted by length, a batch's prompts need little padding
     shard = sorted(range(rank, len(examples), world_size), key=lambda i: len(examples[i]["input_ids"]))
+    shard = shard or [0]  # fewer examples than ranks: a rank with none decodes one again, as the others do
     shard += shard[-1:] * (-(-len(examples) // world_size) - len(shard))  # a repeat evens the shares
     eos_id = model.config.eos_token_id
     predictions = []
@@ -318,15 +319,23 @@ if __name__ == "__main__":
     steps_since_log = 0
     last_step = step >= max_steps
     while not last_step:
-        # forward and backward over this rank's micro-batches, the gradients summed; clip; update
+        # forward and backward over this rank's micro-batches, the gradients summed; clip; update.
+        # The loss is the mean over the step's label tokens, on every rank: a micro-batch's mean
+        # weighs as many tokens as it holds (DDP and FSDP average the ranks' gradients)
+        batches = micro_batches(step)
+        tokens = [(batch["labels"] != -100).sum() for batch in batches]
+        step_tokens = torch.stack(tokens).sum()
+        if rt.ddp:
+            torch.distributed.all_reduce(step_tokens)
         train_loss = 0.0
-        for micro_step, batch in enumerate(micro_batches(step)):
+        for micro_step, (batch, batch_tokens) in enumerate(zip(batches, tokens)):
             if rt.ddp and not fsdp:  # DDP all-reduces the gradients once, after the last micro-step
                 train_model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
             with rt.autocast():
                 _, loss = train_model(**batch)
-            (loss / grad_accum_steps).backward()
-            train_loss += loss.detach() / grad_accum_steps
+            weight = batch_tokens * rt.world_size / step_tokens
+            (loss * weight).backward()
+            train_loss += loss.detach() * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
         if fsdp:
             grad_norm = grad_norm.full_tensor()  # the norm of all ranks' slices together

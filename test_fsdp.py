@@ -174,7 +174,8 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path, full_rank):
 
 def test_finetune_from_a_sharded_checkpoint_matches_one_process(runs, sni_dir, tmp_path):  # noqa: F811
     """finetune.py --fsdp=True on 2 ranks from train.py's sharded checkpoint, against one process reading the same
-    directory whole: the same weights after 3 steps, and the same predictions from generate() on the gathered ones"""
+    directory whole: the same weights after 3 steps, and the same predictions from generate() on the gathered ones.
+    The loss is a mean over the step's label tokens: one micro-batch of all 4 examples logs the same."""
     common = ["finetune.py", f"--init_from={os.path.join(runs['adamwscale', 'fsdp'][0], 'ckpt')}",
               f"--data_dir={sni_dir}", "--device=cpu", "--max_num_instances_per_task=10", "--max_new_tokens=8",
               "--eval_batch_size=4", "--batch_size=4", "--max_steps=3", "--lr=1e-3", "--log_interval=1",
@@ -188,12 +189,23 @@ def test_finetune_from_a_sharded_checkpoint_matches_one_process(runs, sni_dir, t
     assert ours_log.keys() == reference_log.keys() == {1, 2, 3}
     for step in reference_log:
         assert ours_log[step] == pytest.approx(reference_log[step], rel=1e-4), step
+    whole = str(tmp_path / "whole")
+    assert run([*common, f"--out_dir={whole}"]).returncode == 0
+    assert read_log(whole) == pytest.approx(reference_log, rel=1e-4)
     ours, reference = load_checkpoint(os.path.join(fsdp, "ckpt")), load_checkpoint(os.path.join(one, "ckpt.pt"))
     assert ours["step"] == reference["step"] == 3
     for name, tensor in reference["model"].items():
         torch.testing.assert_close(ours["model"][name], tensor, rtol=0, atol=1e-3 * tensor.abs().max().item())
     with open(os.path.join(one, "predictions.jsonl")) as f, open(os.path.join(fsdp, "predictions.jsonl")) as g:
         assert f.read() == g.read()
+
+
+def test_finetune_evaluates_fewer_test_examples_than_ranks(runs, sni_dir, tmp_path):  # noqa: F811
+    r = run([*TORCHRUN, "finetune.py", f"--init_from={os.path.join(runs['adamwscale', 'fsdp'][0], 'ckpt')}",
+             f"--data_dir={sni_dir}", "--device=cpu", "--max_num_instances_per_task=1", "--max_new_tokens=4",
+             "--eval_only=True", "--fsdp=True", f"--out_dir={tmp_path / 'eval'}"])
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(tmp_path / "eval" / "metrics.json"))["num_examples"] == 1
 
 
 def test_sample_reads_a_sharded_checkpoint(runs):
