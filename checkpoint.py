@@ -64,11 +64,21 @@ def claim_out_dir(out_dir, rt, fresh, program="train.py"):
                 lock.truncate(0)
                 lock.write(f"{os.getpid()}\n")
                 lock.flush()
-    problem = [problem]
+    shared = [problem, lock and f"{os.getpid()}\n"]  # the problem, and what rank 0's lock says
     if rt.ddp:
-        torch.distributed.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise UserError(problem[0])
+        torch.distributed.broadcast_object_list(shared, src=0)
+    problem, token = shared
+    if rt.nodes > 1 and token and not problem:  # rank 0 alone writes out_dir: every node must see it
+        seen = False
+        with contextlib.suppress(OSError), open(os.path.join(out_dir, "lock")) as f:
+            seen = f.read() == token
+        seen_by = [None] * rt.world_size
+        torch.distributed.all_gather_object(seen_by, seen)
+        problem = None if all(seen_by) else (
+            f"out_dir {out_dir} is not one folder every node sees: rank {seen_by.index(False)} does not find "
+            f"rank 0's lock there; give an out_dir on a filesystem all nodes share")
+    if problem:
+        raise UserError(problem)
     OUT_DIR_LOCKS.append(lock)
     return lock
 
@@ -196,6 +206,7 @@ def save_checkpoint(path, state):
     if problem:
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays
+        barrier()  # then every rank says it at once: none is stopped by torchrun as another exits
         raise UserError(problem)
     if rank() == 0:
         if os.path.isdir(path):

@@ -32,6 +32,8 @@ def one_line(exc_type, exc):
 
 def print_user_errors(exc_type, exc, tb, _default=sys.excepthook):
     # no sys.exit: torchrun wraps this hook to prefix each line, and an exit would lose it
+    for s in (signal.SIGINT, signal.SIGTERM):  # from here, no signal (torchrun's, as another rank
+        signal.signal(s, signal.SIG_IGN)  # fails too) cuts the line short
     message = None
     with contextlib.suppress(Exception):  # whatever the exception holds, the hook itself never fails
         message = one_line(exc_type, exc)

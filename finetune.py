@@ -209,9 +209,9 @@ def compute_metrics(records):
                                            for task in tasks})
 
 def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens, device, autocast,
-                         rank=0, world_size=1, all_steps=False):
+                         rank=0, world_size=1):
     """greedy predictions for this rank's share of the examples, as (index in examples, text) pairs.
-    all_steps (FSDP): every rank runs as many batches and decoding steps, the same model calls."""
+    Every rank runs as many batches (under FSDP, the same model calls)."""
     # sorted by length, a batch's prompts need little padding
     shard = sorted(range(rank, len(examples), world_size), key=lambda i: len(examples[i]["input_ids"]))
     shard = shard or [0]  # fewer examples than ranks: a rank with none decodes one again, as the others do
@@ -223,7 +223,7 @@ def generate_predictions(model, examples, tokenizer, batch_size, max_new_tokens,
         batch = collate([examples[i] for i in indices], model.config.pad_token_id)
         with autocast():
             generated = model.generate(batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                       max_new_tokens, all_steps=all_steps)
+                                       max_new_tokens)
         for i, ids in zip(indices, generated.tolist()):
             ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
             predictions.append((i, tokenizer.decode(ids, skip_special_tokens=True)))  # as Tk-Instruct
@@ -292,7 +292,7 @@ if __name__ == "__main__":
         """greedy predictions of all test examples, spread over the ranks; rank 0 scores, writes them"""
         model.eval()
         predictions = generate_predictions(model, test_examples, tokenizer, eval_batch_size, max_new_tokens,
-                                           rt.device, rt.autocast, rt.rank, rt.world_size, all_steps=fsdp)
+                                           rt.device, rt.autocast, rt.rank, rt.world_size)
         model.train()
         if rt.ddp:
             shards = [None] * rt.world_size

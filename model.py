@@ -347,11 +347,11 @@ class T5(nn.Module):
 
     @torch.no_grad()  # not inference_mode, under which autocast re-casts every weight at every step
     def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0, top_k=None,
-                 compile=False, all_steps=False):
+                 compile=False, all_done=None):
         """Up to max_new_tokens ids per row, no start token, pad after EOS: greedy at temperature 0,
         else sampled from the top_k likeliest. The encoder and cross-attention's k, v run once;
-        compile=True compiles decode_step; all_steps runs max_new_tokens steps even once every row
-        has finished (under FSDP every rank must run each block as often)."""
+        compile=True compiles decode_step. all_done (FSDP's, where every rank must run each block as
+        often): whether a 0-d bool tensor, here "my rows are finished", is true on every rank."""
         check_ids(input_ids, attention_mask)
         c = self.config
         B = input_ids.size(0)
@@ -377,9 +377,10 @@ class T5(nn.Module):
                 token = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
             out[:, i] = token.masked_fill_(finished[:, None], c.pad_token_id)[:, 0]
             finished |= token[:, 0] == c.eos_token_id
-            if finished.all() and not all_steps:
+            done = finished.all()
+            if all_done(done) if all_done else done:
                 break
             pos += 1
         for block in self.decoder.blocks:  # the caches hold only this call's tokens: free them
             block.self_attn.kv_cache = None
-        return out[:, :pos.item() + 1]  # all steps, or up to the one where every row was finished
+        return out[:, :pos.item() + 1]  # up to the step where every row was finished, or all

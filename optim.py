@@ -117,11 +117,13 @@ def local(t):
 
 def rms(tensors):
     """each tensor's root mean square, as 0-d tensors; of FSDP's DTensors, the whole tensor's: the
-    squares of each rank's slices, summed over the ranks in one all-reduce for all of them"""
+    squares of each rank's slices, summed over the ranks that shard it (under HSDP, a node's) in one
+    all-reduce for all of them"""
     norms = [local(t).norm() for t in tensors]
     if tensors and isinstance(tensors[0], DTensor):
         squares = torch.stack(norms).square()
-        torch.distributed.all_reduce(squares, group=tensors[0].device_mesh.get_group())
+        mesh = tensors[0].device_mesh
+        torch.distributed.all_reduce(squares, group=mesh.get_group(mesh.ndim - 1))  # the last: shards
         norms = squares.sqrt().unbind()
     return [norm / math.sqrt(t.numel()) for norm, t in zip(norms, tensors)]
 

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, suppress
 
 import numpy as np
+import sentencepiece as spm
 from tqdm import tqdm
 
 from files import UserError, atomic_write, reading
@@ -310,7 +311,6 @@ class Tokenizer:
     or else tiktoken's GPT-2 BPE (eos <|endoftext|>, <extra_id_i> = 50356 - i, pad 50357)."""
     def __init__(self, model_file=None):
         if model_file:
-            import sentencepiece as spm
             with reading(model_file, "{path} can't be read as a sentencepiece model ({reason})"):
                 self.sp = spm.SentencePieceProcessor(model_file=model_file)
             self.vocab_size = self.sp.get_piece_size() + NUM_SENTINELS
@@ -391,7 +391,6 @@ def t5_spiece():
 
 def _train_spiece(texts, vocab_size, max_chars=20_000_000):
     """a unigram sentencepiece model with T5's special ids, trained on texts' first max_chars"""
-    import sentencepiece as spm
     lines, chars = [], 0
     for text in texts:  # read before training: a failure to read the corpus is reported as itself
         lines += [line for line in text.splitlines() if line.strip()]

@@ -79,6 +79,7 @@ class Runtime:
     rank: int
     local_rank: int
     world_size: int
+    nodes: int = 1  # the machines the ranks run on, as torchrun says (its --nnodes)
 
     @property
     def master(self):
@@ -144,17 +145,24 @@ def setup_runtime(device="auto", dtype="bfloat16", seed=1337, fsdp=False):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = dtype != "float32"
     if device_type == "cpu":
         torch.set_flush_denormal(True)  # denormals, which appear late in training, are slow on x86
-    return Runtime(device, device_type, dtype, ddp, rank(), local_rank, world_size)
+    nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # set by torchrun
+    return Runtime(device, device_type, dtype, ddp, rank(), local_rank, world_size, nodes)
 
 # the model as it trains: one process, DDP, or FSDP
 
-def shard_model(model, rt):
+def shard_model(model, rt, shard_across_nodes=False):
     """FSDP2 on the T5 in place, one group for each part that runs as one, gathered just before it runs:
     each relative_attention_bias table (read before the blocks run); each block, cross-attention's k, v
     included, 2 all-gathers a step (forward, backward); the embedding, in fp32 as its output starts the
     residual stream; and the root: lm_head and the final norms. Under bf16 all but the first and the
-    embedding gather in bf16; gradient reductions stay fp32. generate() runs through FSDP's hooks too."""
+    embedding gather in bf16; gradient reductions stay fp32. generate() runs through FSDP's hooks too.
+    Over several nodes, HSDP: each node holds the model sharded over its ranks, and the nodes are
+    replicas, so that only the gradients' all-reduce crosses the network; or, shard_across_nodes,
+    one sharding over all ranks."""
     mesh = init_device_mesh(rt.device_type, (rt.world_size,))
+    if rt.nodes > 1 and not shard_across_nodes:  # torchtitan's dp_replicate and dp_shard
+        mesh = init_device_mesh(rt.device_type, (rt.nodes, rt.world_size // rt.nodes),
+                                mesh_dim_names=("replicate", "shard"))
     policy = MixedPrecisionPolicy()
     if rt.dtype == "bfloat16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -171,8 +179,29 @@ def shard_model(model, rt):
         fully_shard(model.shared, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     register_fsdp_forward_method(model, "generate")
+    generate = model.generate
 
-def wrap_model(model, rt, fsdp=False, compile=False, activation_checkpointing=False, dynamic=None):
+    def generate_gathered(*args, **kwargs):
+        """generate() with each decoder block gathered once for the call, not at every decoding
+        step, and resharded after it; every rank decodes until all ranks' rows are finished"""
+        for block in model.decoder.blocks:
+            block.set_reshard_after_forward(False)
+        try:
+            return generate(*args, all_done=all_ranks, **kwargs)
+        finally:
+            for block in model.decoder.blocks:
+                block.set_reshard_after_forward(True)
+                block.reshard()
+    model.generate = generate_gathered
+
+def all_ranks(done):
+    """whether done, a 0-d bool tensor, is true on every rank"""
+    done = done.to(torch.int32)
+    torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+    return bool(done)
+
+def wrap_model(model, rt, fsdp=False, compile=False, activation_checkpointing=False,
+               shard_across_nodes=False, dynamic=None):
     """The T5 built on the meta device, placed for training, its weights still to be made
     (draw_weights, checkpoint.load_weights). With FSDP each rank materialises only its own shards,
     and each block is compiled, as torchtitan does, FSDP's hooks between the graphs; without, the
@@ -184,7 +213,7 @@ def wrap_model(model, rt, fsdp=False, compile=False, activation_checkpointing=Fa
         if compile:
             for block in [*model.encoder.blocks, *model.decoder.blocks]:
                 block.compile(dynamic=dynamic)
-        shard_model(model, rt)
+        shard_model(model, rt, shard_across_nodes)
         return model.to_empty(device=rt.device)
     model.to_empty(device=rt.device)
     model.tie_weights()  # to_empty made lm_head a tensor of its own

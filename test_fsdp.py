@@ -12,6 +12,9 @@ import random
 import re
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -73,6 +76,49 @@ def test_each_rank_holds_half_the_state(runs):
     t5 = model_from_checkpoint(load_checkpoint(os.path.join(runs["adamwscale", "one"][0], "ckpt.pt")))
     assert one == pytest.approx(12 * t5.num_params() / 2**20, rel=1e-3)
     assert fsdp == pytest.approx(one / 2, rel=0.01)
+
+
+def two_nodes(args, nproc=2, cwds=(REPO, REPO)):
+    """train.py args as 2 nodes of nproc gloo ranks each on this machine, each node in its folder of cwds: two
+    torchrun launches, which meet at a free port; each node's (exit code, stdout, stderr)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = ["-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+              f"--master_port={port}"]
+    nodes = [subprocess.Popen([sys.executable, *launch, f"--node_rank={node}", os.path.join(REPO, "train.py"), *args],
+                              cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node, cwd in enumerate(cwds)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
+
+
+@pytest.mark.parametrize("shard_across_nodes, share", [(False, 1 / 2), (True, 1 / 4)])
+def test_two_nodes_shard_within_each_and_replicate_across(runs, data_dir, tmp_path, shard_across_nodes, share):
+    # HSDP: each node holds the model sharded over its 2 ranks, so a rank holds half the state, and the nodes are
+    # replicas; with shard_across_nodes one sharding over all 4 ranks, a quarter. Either logs one process's losses.
+    out = str(tmp_path / "out")
+    nodes = two_nodes([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}", "--fsdp=True",
+                       f"--shard_across_nodes={shard_across_nodes}"])
+    assert [code for code, _, _ in nodes] == [0, 0], nodes
+    stdout = nodes[0][1]
+    one_dir, one_stdout = runs["adamwscale", "one"]
+    assert read_log(out) == pytest.approx(read_log(one_dir), rel=2e-3)
+    assert state_mib(stdout) == pytest.approx(state_mib(one_stdout) * share, rel=0.01)
+
+
+def test_an_out_dir_one_node_does_not_see_is_one_line(data_dir, tmp_path):  # noqa: F811
+    # each node in its own folder, out_dir a relative path: each node's own folder, as local disks would be
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    for cwd in cwds:
+        cwd.mkdir()
+    nodes = two_nodes([os.path.join(REPO, "config", "t5_tiny.py"), *ARGS[1:], f"--data_dir={data_dir}",
+                       "--out_dir=out"], nproc=1, cwds=cwds)
+    line = "error: out_dir out is not one folder every node sees: rank 1 does not find rank 0's lock there"
+    for code, _, stderr in nodes:
+        assert code != 0 and line in stderr and stderr.count("Traceback") == 1, stderr  # torchrun's own
+    assert nodes[0][2].strip().splitlines()[-1].startswith(line)
+    assert not os.path.exists(cwds[0] / "out" / "log.jsonl")
 
 
 def test_sharded_checkpoint_loads_into_one_process_and_exports(runs, tmp_path):
@@ -273,9 +319,13 @@ def losses(dtype, fsdp, activation_checkpointing, steps=3):
     block = lambda b: sum(p.to_local().numel() for n, p in b.named_parameters() if "relative" not in n)
     sizes = dict(encoder_block=block(t5.encoder.blocks[1]), decoder_block=block(t5.decoder.blocks[1]),
                  shared=t5.shared.weight.to_local().numel()) if fsdp else {{}}
-    with torch.no_grad(), rt.autocast():
-        fills = t5.generate(mine["input_ids"], max_new_tokens=4, all_steps=fsdp).tolist()
-    return dict(losses=out, gathers=counts, sizes=sizes, fills=fills)
+    generate_gathers = []  # of one generate() call, for 8 new tokens, 8 again and 4
+    for max_new_tokens in (8, 8, 4):
+        gathers.clear()
+        with torch.no_grad(), rt.autocast():
+            fills = t5.generate(mine["input_ids"], max_new_tokens=max_new_tokens).tolist()
+        generate_gathers.append(dict(gathers))
+    return dict(losses=out, gathers=counts, sizes=sizes, fills=fills, generate_gathers=generate_gathers)
 
 results = {{f"{{dtype}} {{fsdp}} {{ac}}": losses(dtype, fsdp, ac) for dtype in ("float32", "bfloat16")
            for fsdp in (False, True) for ac in (False, True)}}
@@ -311,6 +361,14 @@ def test_each_block_is_gathered_once_in_forward_and_once_in_backward(groups, ac)
     assert gathers[str(sizes["encoder_block"])] == 2 * layers * steps
     assert gathers[str(sizes["decoder_block"])] == 2 * layers * steps
     assert gathers[str(sizes["shared"])] == steps  # the embedding stays gathered from forward to backward
+
+
+def test_generate_gathers_each_block_once_for_any_number_of_tokens(groups):
+    run = groups["float32 True False"]
+    sizes, (first, eight, four) = run["sizes"], run["generate_gathers"]
+    assert four == eight  # as often for 8 new tokens as for 4: not at every decoding step
+    for gathers in (first, eight):  # the first gathers the embedding and the root too, which stay gathered
+        assert gathers[str(sizes["encoder_block"])] == gathers[str(sizes["decoder_block"])] == 3  # once a layer
 
 
 def test_fsdp_generates_through_its_hooks(groups):

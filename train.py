@@ -64,6 +64,7 @@ dtype = "bfloat16"
 compile = True
 activation_checkpointing = False  # keep only each block's input for backward, which runs it again
 fsdp = False  # under torchrun: shard weights, gradients and optimizer state (FSDP2) instead of DDP
+shard_across_nodes = False  # fsdp over nodes: False shards within each, replicates across (HSDP)
 seed = 1337
 peak_flops = 0.0  # dense peak FLOP/s of one GPU, for MFU; 0 -> runtime.PEAK_FLOPS
 wandb_log = False
@@ -81,8 +82,8 @@ valid = dict(
     warmup_start_factor="in [0, 1]", min_lr=">= 0", weight_decay=">= 0", grad_clip=">= 0",
     eval_interval="> 0", eval_steps="> 0", log_interval="> 0", checkpoint_interval="> 0",
     device=runtime.check_device, dtype=runtime.DTYPES, compile="any", activation_checkpointing="any",
-    fsdp="any", seed=">= 0", peak_flops=">= 0", wandb_log=runtime.check_wandb,
-    wandb_project="non-empty", wandb_run_name="any",
+    fsdp="any", shard_across_nodes="any", seed=">= 0", peak_flops=">= 0",
+    wandb_log=runtime.check_wandb, wandb_project="non-empty", wandb_run_name="any",
 )
 # the command line: config files, then --key=value, each checked against valid; then `config` holds
 # every key's value and `given_at` where on the command line each given key was
@@ -105,7 +106,8 @@ else:  # this run's checkpoint, or the weights init_from names (a run's, Hugging
     t5_config, weights, _ = checkpoint.read_weights(resumed or init_from, rt, fsdp, model)
 with torch.device("meta"):
     t5 = T5(dataclasses.replace(t5_config, dropout=dropout))  # dropout ours: HF's configs say 0.1
-train_t5 = runtime.wrap_model(t5, rt, fsdp, compile, activation_checkpointing)  # the loop calls it
+# what the loop calls: the T5 itself (sharded in place), or its compiled or DDP wrapper
+train_t5 = runtime.wrap_model(t5, rt, fsdp, compile, activation_checkpointing, shard_across_nodes)
 if weights is None:
     runtime.draw_weights(t5)  # as one process draws them, on any device and number of ranks
 else:
@@ -156,8 +158,8 @@ def evaluate():
         summed = torch.stack(list(sums.values()))
         torch.distributed.all_reduce(summed)
         sums = dict(zip(sums, summed))
-    with rt.autocast():  # every rank decodes all steps (FSDP gathers each block on all ranks), rank 0 shows
-        fills = t5.generate(demo_inputs, max_new_tokens=demo_tokens, all_steps=fsdp)
+    with rt.autocast():  # every rank decodes (under FSDP each block is gathered on all), rank 0 shows
+        fills = t5.generate(demo_inputs, max_new_tokens=demo_tokens)
     train_t5.train()
     batches = eval_steps * grad_accum_steps * rt.world_size
     return dict(val_loss=sums["loss"].item() / batches, val_acc=sums["accuracy"].item() / batches,
