@@ -9,7 +9,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 class UserError(Exception):
     """Bad input from the user: the message is one line saying what is wrong and how to fix it."""
@@ -211,14 +210,6 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList([block(config, i == 0) for i in range(num_layers)])
         self.ln_f = RMSNorm(config.d_model, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
-        self.activation_checkpointing = False  # set by runtime.wrap_model
-
-    def run(self, block, *args):
-        """block(*args); with activation checkpointing, while training, keeping only the block's
-        inputs for backward, which runs the block again to get the rest"""
-        if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(block, *args, use_reentrant=False)
-        return block(*args)
 
 class Encoder(Stack):
     def forward(self, x, attention_mask, dtype):  # x: the token embeddings (B, S, d_model)
@@ -228,7 +219,7 @@ class Encoder(Stack):
             mask = mask + padding_mask(attention_mask, dtype)  # (B, nh, S, S)
         x = self.dropout(x)
         for block in self.blocks:
-            x = self.run(block, x, mask)
+            x = block(x, mask)
         return self.dropout(self.ln_f(x))
 
 class Decoder(Stack):
@@ -248,7 +239,7 @@ class Decoder(Stack):
         mask = bias.masked_fill(future, torch.finfo(dtype).min)  # (1, nh, T, Tk)
         x = self.dropout(x)
         for i, block in enumerate(self.blocks):
-            x = self.run(block, x, mask, cross_mask, encoder_out if pos is None else encoder_out[i], pos)
+            x = block(x, mask, cross_mask, encoder_out if pos is None else encoder_out[i], pos)
         return self.dropout(self.ln_f(x))
 
 def check_ids(input_ids, attention_mask=None, labels=None, decoder_input_ids=None):

@@ -1,6 +1,7 @@
 """What a run needs around the model: the device and its float modes, DDP and FSDP, MFU, the log,
 and Sync, where the ranks agree."""
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -14,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from files import UserError, atomic_write, reading, write_error
 
@@ -200,6 +202,13 @@ def all_ranks(done):
     torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
     return bool(done)
 
+def apply_activation_checkpointing(model):
+    """activation checkpointing, on each block: in training it keeps only its inputs for backward,
+    which runs the block again to get the rest. Applied before compiling, so the compiler sees the
+    block run again too."""
+    for block in [*model.encoder.blocks, *model.decoder.blocks]:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
 def wrap_model(model, rt, fsdp=False, compile=False, activation_checkpointing=False,
                shard_across_nodes=False, dynamic=None):
     """The T5 built on the meta device, placed for training, its weights still to be made
@@ -207,8 +216,8 @@ def wrap_model(model, rt, fsdp=False, compile=False, activation_checkpointing=Fa
     and each block is compiled, as torchtitan does, FSDP's hooks between the graphs; without, the
     model is whole on the device, compiled, in DDP under torchrun. Returns what the loop calls: the
     T5 itself (FSDP shards it in place), or its compiled or DDP wrapper."""
-    model.encoder.activation_checkpointing = activation_checkpointing
-    model.decoder.activation_checkpointing = activation_checkpointing
+    if activation_checkpointing:  # then compile, then shard: torchtitan's order
+        apply_activation_checkpointing(model)
     if fsdp:
         if compile:
             for block in [*model.encoder.blocks, *model.decoder.blocks]:

@@ -12,6 +12,7 @@ import transformers
 
 from checkpoint import from_pretrained, hf_names, save_pretrained
 from model import PRESETS, T5, KVCache, T5Config, UserError, relative_position_bucket
+from runtime import apply_activation_checkpointing
 
 # small, but with everything that can go wrong: encoder/decoder depths differ, heads * d_kv != d_model,
 # and the tests use sequences longer than relative_attention_max_distance so the log buckets are exercised
@@ -327,7 +328,8 @@ def test_activation_checkpointing_keeps_only_each_blocks_input():
     def saved_bytes(num_layers, checkpointing):
         torch.manual_seed(0)
         model = T5(T5Config(**{**SMALL, "num_layers": num_layers}))
-        model.encoder.activation_checkpointing = model.decoder.activation_checkpointing = checkpointing
+        if checkpointing:
+            apply_activation_checkpointing(model)
         storages = {}
 
         def pack(t):
@@ -369,3 +371,7 @@ def test_no_graph_breaks_in_the_training_step_and_the_decode_step():
             block.self_attn.kv_cache = KVCache((2, SMALL["num_heads"], 4, SMALL["d_kv"]), torch.float32, "cpu")
         token, pos = torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
         assert torch._dynamo.explain(t5.decode_step)(token, pos, encoder_kv, None).graph_break_count == 0
+    # activation checkpointing is applied before compiling: the recomputation is in the one graph too
+    apply_activation_checkpointing(t5)
+    explained = torch._dynamo.explain(t5)(input_ids, labels=labels)
+    assert explained.graph_break_count == 0 and "tag_activation_checkpoint" in explained.graphs[0].code
