@@ -161,10 +161,11 @@ def shard_model(model, rt, shard_across_nodes=False):
     Over several nodes, HSDP: each node holds the model sharded over its ranks, and the nodes are
     replicas, so that only the gradients' all-reduce crosses the network; or, shard_across_nodes,
     one sharding over all ranks."""
-    mesh = init_device_mesh(rt.device_type, (rt.world_size,))
     if rt.nodes > 1 and not shard_across_nodes:  # torchtitan's dp_replicate and dp_shard
         mesh = init_device_mesh(rt.device_type, (rt.nodes, rt.world_size // rt.nodes),
                                 mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(rt.device_type, (rt.world_size,))
     policy = MixedPrecisionPolicy()
     if rt.dtype == "bfloat16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
