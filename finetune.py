@@ -344,7 +344,7 @@ if __name__ == "__main__":
         step += 1
         steps_since_log += 1
         sync.watch(train_loss, grad_norm)
-        last_step = step == max_steps
+        last_step = step == max_steps or sync.stop_now(step)  # Ctrl-C or SIGTERM: saved, stopped
         if step % log_interval == 0 or step % checkpoint_interval == 0 or last_step:
             mean_loss, elapsed, signalled = sync.agree(step, train_loss)  # a NaN ends the run unsaved
             last_step = last_step or signalled

@@ -314,14 +314,22 @@ class Sync:
         self.nonfinite = 0
         self.signalled = False
         self.stopped_by_signal = False
+        self.done = step  # the steps done
         self.handlers = {s: signal.signal(s, self.stop_soon) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def stop_soon(self, signum, frame):
-        """SIGINT or SIGTERM: noted for the next sync step, and said at once, even mid-step"""
+        """SIGINT or SIGTERM: noted, and said at once, even mid-step (while it compiles, say)"""
         if not self.signalled and self.rt.master:
-            os.write(2, f"{signal.Signals(signum).name}: the run saves a checkpoint and stops at its next "
-                        f"log step\n".encode())
+            when = "at its next log step, where the ranks agree" if self.rt.ddp else "after this step"
+            os.write(2, f"{signal.Signals(signum).name} after step {self.done}: the run saves a checkpoint "
+                        f"and stops {when}\n".encode())
         self.signalled = True
+
+    def stop_now(self, step):
+        """after every step: whether one process stops here for a signal; ranks stop at the next
+        sync step, where they agree, as no collective runs in between"""
+        self.done = step
+        return self.signalled and not self.rt.ddp
 
     @contextlib.contextmanager
     def paused(self):

@@ -539,7 +539,33 @@ def test_a_signal_to_torchrun_is_answered_at_once_and_said_last(data_dir, tmp_pa
     assert "forcefully exiting" not in stderr, stderr  # no rank left waiting until torchrun's SIGKILL
     assert stderr.strip().splitlines()[-1].startswith(last), stderr
     if last == STOPPED:
-        assert "the run saves a checkpoint and stops at its next log step" in stderr, stderr
+        assert "the run saves a checkpoint and stops at its next log step, where the ranks agree" in stderr, stderr
         step = int(stderr.strip().splitlines()[-1].removeprefix(STOPPED).split(":")[0])
         import torch
         assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == step
+
+
+def test_sigterm_between_log_steps_stops_after_that_step_and_resumes_exactly(data_dir, tmp_path):
+    # one process needs no other's word: SIGTERM far from any log step stops the run after the step it came in, with
+    # a checkpoint, from which --init_from=resume logs what a run never stopped logs
+    args = [*TINY, f"--data_dir={data_dir}", "--lr_schedule=constant", "--eval_interval=1000000",
+            "--checkpoint_interval=1000000"]
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    proc = subprocess.Popen([sys.executable, "train.py", *args, f"--out_dir={stopped}", "--max_steps=1000000",
+                             "--log_interval=1000000"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    stdout = ""
+    while "step      1 " not in stdout and proc.poll() is None:
+        stdout += proc.stdout.readline()
+    time.sleep(1.5)  # some steps on
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = (stdout + more for more in proc.communicate(timeout=120))
+    import torch
+    step = torch.load(stopped / "ckpt.pt", weights_only=False)["step"]
+    signalled_after = int(stderr.split("SIGTERM after step ")[1].split(":")[0])
+    assert 1 < step == signalled_after + 1 and f"stopped by signal at step {step}" in stdout, stderr
+    assert run(["train.py", *args, f"--out_dir={stopped}", "--init_from=resume", f"--max_steps={step + 3}"]
+               ).returncode == 0
+    assert run(["train.py", *args, f"--out_dir={straight}", f"--max_steps={step + 3}"]).returncode == 0
+    resumed, never_stopped = read_log(str(stopped)), read_log(str(straight))
+    assert [resumed[k] for k in range(step + 1, step + 4)] == [never_stopped[k] for k in range(step + 1, step + 4)]

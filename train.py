@@ -203,7 +203,7 @@ while not last_step:
     if step == start_step + 1:  # the optimizer state exists from the first step on
         runtime.print_memory(t5, opt, rt)
 
-    last_step = step == max_steps
+    last_step = step == max_steps or sync.stop_now(step)  # Ctrl-C or SIGTERM: saved, then stopped
     sync_step = step % log_interval == 0 or step % checkpoint_interval == 0 or step == start_step + 1
     if sync_step or last_step:
         mean_loss, elapsed, signalled = sync.agree(step, train_loss)  # the same on every rank
