@@ -69,14 +69,12 @@ def claim_out_dir(out_dir, rt, fresh, program="train.py"):
         torch.distributed.broadcast_object_list(shared, src=0)
     problem, token = shared
     if rt.nodes > 1 and token and not problem:  # rank 0 alone writes out_dir: every node must see it
-        seen = False
+        seen = None
         with contextlib.suppress(OSError), open(os.path.join(out_dir, "lock")) as f:
-            seen = f.read() == token
-        seen_by = [None] * rt.world_size
-        torch.distributed.all_gather_object(seen_by, seen)
-        problem = None if all(seen_by) else (
-            f"out_dir {out_dir} is not one folder every node sees: rank {seen_by.index(False)} does not find "
-            f"rank 0's lock there; give an out_dir on a filesystem all nodes share")
+            seen = f.read()
+        unseen = (f"out_dir {out_dir} is not one folder every node sees: rank {rank()} does not find rank "
+                  f"0's lock there; give an out_dir on a filesystem all nodes share")
+        problem = first_problem(None if seen == token else unseen)
     if problem:
         raise UserError(problem)
     OUT_DIR_LOCKS.append(lock)
@@ -149,6 +147,14 @@ def open_out_dir(ckpt_path, config, meta, rt):
 
 # checkpoints
 
+def first_problem(problem):
+    """the first rank's problem of those the ranks found (each a message, or None): on every rank"""
+    problems = [problem]
+    if torch.distributed.is_initialized():
+        problems = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(problems, problem)
+    return next(filter(None, problems), None)
+
 def barrier():
     """every rank waits for the others, in Python: a signal stops a waiting rank at once"""
     if torch.distributed.is_initialized():
@@ -198,11 +204,7 @@ def save_checkpoint(path, state):
     except (Exception, dcp.CheckpointException) as e:  # dcp's holds each rank's error; no Exception
         e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e
         problem = str(write_error(path, write_failure(e) or e))
-    problems = [problem]
-    if torch.distributed.is_initialized():  # a failure on any rank fails the save on every rank
-        problems = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(problems, problem)
-    problem = next(filter(None, problems), None)
+    problem = first_problem(problem)  # a failure on any rank fails the save on every rank
     if problem:
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays
