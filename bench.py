@@ -165,6 +165,14 @@ def training_step(net, rt, next_batch, compile_model, lr=2e-2, grad_clip=1.0):
         optimizer.zero_grad(set_to_none=True)
     return step
 
+def warm_up_compiler(rt):
+    """Compiles what both sides share before either first call is timed: the compiler's start-up
+    (its workers, its toolchain) and the optimizer's update, so that each first call is its model's"""
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8)).to(rt.device)
+    optimizer = make_optimizer("adamwscale", param_groups(layers, 0.0), 1e-3, compile=True)
+    torch.compile(layers)(torch.ones(2, 8, device=rt.device)).sum().backward()
+    optimizer.step()
+
 def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length, compile_model,
                 steps=10, burn_in=3, peak_flops=0.0, data_dir="", seed=1337, profile=False):
     """our training step alone: (s/step, tokens/s, MFU or None, peak memory bytes, first call's s);
@@ -347,6 +355,8 @@ if __name__ == "__main__":
             next_batch = batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, data_dir, seed)
             theirs = other if compare == "null" else TransformersAdapter(other)
             tokens = batch_size * (input_length + targets_length(input_length))
+            if compile:
+                warm_up_compiler(rt)
             side_by_side(("ours", training_step(t5, rt, next_batch, compile)),
                          (other_name, training_step(theirs, rt, next_batch, compile)), tokens, "tok",
                          steps, burn_in, compiled=compile)

@@ -19,14 +19,25 @@ class AdamWScale(torch.optim.Optimizer):
         (3) step_size = lr * sqrt(1-b2^t)/(1-b1^t) * max(1e-3, RMS(p))  # RMS(p) before this update
         (4) p -= step_size * m / (sqrt(v) + eps)
         (5) p -= lr * wd * p                                             # decoupled; if wd > 0
-    lr and t are float64 tensors: as exact as Python's floats, and torch.compile compiles the step
-    once for every lr and step count. Under FSDP each rank holds a slice of p: RMS(p) is the whole
-    tensor's (rms), the rest runs on slices.
+    lr and t are float64 tensors on the parameters' device: as exact as Python's floats, and
+    torch.compile compiles the step once for every lr and step count, with no CPU code beside the
+    GPU's. Under FSDP each rank holds a slice of p: RMS(p) is the whole tensor's (rms), the rest
+    runs on slices.
     """
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
         lr = torch.tensor(lr, dtype=torch.float64)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.place()
+        self.register_load_state_dict_post_hook(AdamWScale.place)  # a checkpoint loads to the CPU
+
+    def place(self):
+        """lr and the step counts on the parameters' device"""
+        for group in self.param_groups:
+            for p in group["params"]:
+                group["lr"] = group["lr"].to(local(p).device)
+                if p in self.state:
+                    self.state[p]["step"] = self.state[p]["step"].to(local(p).device)
 
     @torch.no_grad()
     def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
@@ -35,8 +46,8 @@ class AdamWScale(torch.optim.Optimizer):
             for p, p_rms in zip(params, rms(params)):
                 state = self.state[p]
                 if not state:
-                    state.update(step=torch.tensor(0.0, dtype=torch.float64), exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p))
+                    state.update(step=torch.zeros((), dtype=torch.float64, device=local(p).device),
+                                 exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
                 self.update(local(p).view(-1), local(p.grad).view(-1), m.view(-1), v.view(-1), state["step"],
                             p_rms, group["lr"], *group["betas"], group["eps"], group["weight_decay"])

@@ -57,6 +57,23 @@ def test_adamwscale_skips_params_without_grad():
     assert used[0].item() < 1.0
 
 
+def test_adamwscale_keeps_lr_and_step_counts_on_the_parameters_device():
+    """on a GPU, a compiled step with CPU scalars in it compiles CPU code too (28 s more on an H100); a
+    checkpoint loads them onto the CPU. The meta device stands in for the GPU here."""
+    p = nn.Parameter(torch.ones(3))
+    opt = AdamWScale([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    saved = opt.state_dict()  # on the CPU, as a checkpoint loads it
+    with torch.device("meta"):
+        q = nn.Parameter(torch.ones(3))
+    other = AdamWScale([q], lr=0.1)
+    assert other.param_groups[0]["lr"].device.type == "meta"
+    other.load_state_dict(saved)
+    assert other.param_groups[0]["lr"].device.type == "meta"
+    assert other.state[q]["step"].device.type == "meta"
+
+
 @pytest.mark.parametrize("name", ["adamwscale", "adafactor", "adamw"])
 def test_state_dict_round_trip(name):
     torch.manual_seed(0)
