@@ -302,7 +302,8 @@ class Sync:
     """Where the ranks agree, at the loop's sync steps, in one all-reduce: the loss averaged over
     the ranks, whether a loss or grad norm since the last sync was NaN or inf (watch), whether
     SIGINT or SIGTERM came to any rank, and rank 0's clock (training seconds over resumes, less time
-    in paused()). In between, nothing waits for the device or another rank."""
+    in paused()). In between, the host waits for neither the device nor another rank; a signal's
+    flag alone is summed at every step, and read two steps later (stop_now)."""
 
     def __init__(self, rt, ckpt_path, step, elapsed=0.0):
         self.rt = rt
@@ -315,21 +316,38 @@ class Sync:
         self.signalled = False
         self.stopped_by_signal = False
         self.done = step  # the steps done
+        self.flags = []  # each step's sum of the ranks' signal flags, on the host, with its event
         self.handlers = {s: signal.signal(s, self.stop_soon) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def stop_soon(self, signum, frame):
         """SIGINT or SIGTERM: noted, and said at once, even mid-step (while it compiles, say)"""
         if not self.signalled and self.rt.master:
-            when = "at its next log step, where the ranks agree" if self.rt.ddp else "after this step"
+            when = "within 3 steps, at the same step on every rank" if self.rt.ddp else "after this step"
             os.write(2, f"{signal.Signals(signum).name} after step {self.done}: the run saves a checkpoint "
                         f"and stops {when}\n".encode())
         self.signalled = True
 
     def stop_now(self, step):
-        """after every step: whether one process stops here for a signal; ranks stop at the next
-        sync step, where they agree, as no collective runs in between"""
+        """After every step: whether to stop here for a signal, the same on every rank. One process
+        stops at once. Ranks sum their flags at every step, and act on step N's sum at step N + 2:
+        by then a GPU has long copied it to the host, which so never waits for the device, and every
+        rank stops at the same step, within 3 of the signal."""
         self.done = step
-        return self.signalled and not self.rt.ddp
+        if not self.rt.ddp:
+            return self.signalled
+        flag = torch.full((1,), float(self.signalled), device=self.rt.device)
+        torch.distributed.all_reduce(flag, async_op=True).wait()  # a GPU's stream waits, not the host
+        on_host = flag.to("cpu", non_blocking=True)  # a GPU copies it when it gets there
+        copied = torch.cuda.Event() if flag.is_cuda else None
+        if copied:
+            copied.record()
+        self.flags.append((on_host, copied))
+        if len(self.flags) < 3:
+            return False
+        on_host, copied = self.flags.pop(0)
+        if copied:
+            copied.synchronize()  # long done: two steps ago
+        return on_host.item() > 0
 
     @contextlib.contextmanager
     def paused(self):

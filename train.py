@@ -166,8 +166,9 @@ def evaluate():
                 span_acc=(sums["spans_right"] / sums["spans"]).item(),
                 examples=[tok.show_fill(*ids) for ids in zip(demo_inputs.cpu(), fills.cpu(), demo_labels.cpu())])
 
-# the loop, one optimizer step at a time. The ranks agree only at sync steps (the log and checkpoint
-# steps, the first and the last): in between, nothing waits for the GPU or another rank
+# the loop, one optimizer step at a time. The ranks agree at sync steps (the log and checkpoint
+# steps, the first and the last); in between, nothing waits for the GPU or another rank, and a
+# signal's flag, summed over the ranks at every step, is read two steps on (sync.stop_now)
 sync = runtime.Sync(rt, ckpt_path, step, elapsed)  # where they agree: signals, the clock, NaNs
 budget_s = time_budget_hours * 3600
 train_t5.train()
