@@ -236,11 +236,12 @@ def wrap_model(model, rt, fsdp=False, compile=False, activation_checkpointing=Fa
 
 @torch.no_grad()
 def draw_weights(model):
-    """The weights T5(config) draws, into a placed model: each tensor drawn whole on the host, from
-    the same seed and in the same order, then copied to the device: the same weights on any device and
-    number of ranks. Under FSDP each rank keeps its own slice, and holds one tensor whole at a time."""
+    """The weights T5(config) draws, into a placed model: each tensor drawn whole on the device, from
+    the same seed and in the same order: the same weights on any number of ranks as in one process on
+    that kind of device (a GPU's generator draws other numbers than a CPU's). Under FSDP each rank
+    keeps its own slice, and holds one tensor whole at a time."""
     for name, p in model.named_parameters():
-        whole = torch.empty(p.shape)
+        whole = torch.empty(p.shape, device=p.device)  # no whole tensor crosses from the host
         model.init_parameter(name, whole)
         if isinstance(p, DTensor):
             mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)

@@ -109,7 +109,7 @@ with torch.device("meta"):
 # what the loop calls: the T5 itself (sharded in place), or its compiled or DDP wrapper
 train_t5 = runtime.wrap_model(t5, rt, fsdp, compile, activation_checkpointing, shard_across_nodes)
 if weights is None:
-    runtime.draw_weights(t5)  # as one process draws them, on any device and number of ranks
+    runtime.draw_weights(t5)  # as one process on that device draws them, on any number of ranks
 else:
     checkpoint.load_weights(t5, weights)  # under FSDP, each rank its own slices
 print0(f"{t5.num_params() / 1e6:.1f}M parameters")
