@@ -337,7 +337,7 @@ class Sync:
         if not self.rt.ddp:
             return self.signalled
         flag = torch.full((1,), float(self.signalled), device=self.rt.device)
-        torch.distributed.all_reduce(flag, async_op=True).wait()  # a GPU's stream waits, not the host
+        torch.distributed.all_reduce(flag)  # under NCCL the GPU's stream waits for it, not the host
         on_host = flag.to("cpu", non_blocking=True)  # a GPU copies it when it gets there
         copied = torch.cuda.Event() if flag.is_cuda else None
         if copied:
