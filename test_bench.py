@@ -102,7 +102,7 @@ def test_the_table_runs_the_rows_of_the_dtype_and_compile_given():
 PEAK_SCRIPT = """
 import bench, torch
 torch.set_num_threads(1)
-training_step, extra = bench.training_step, iter([2**27, 0])  # the first row's step holds 512 MiB more
+training_step, extra = bench.training_step, iter([2**28, 0])  # the first row's step holds 1 GiB more
 
 def patched(*args, **kwargs):
     step, numel = training_step(*args, **kwargs), next(extra)
@@ -117,7 +117,8 @@ bench.print_table("cpu", "t5-tiny", 256, 4, 32, rows=[("float32", False)] * 2, b
 
 
 def test_each_table_row_gets_its_own_peak_memory():
-    # in a process of its own: what earlier tests leave resident in this one, or do in its threads, blurs the peaks
+    # in a process of its own: what earlier tests leave resident in this one, or do in its threads, blurs the peaks;
+    # under a full suite the second row has still peaked 0.3 GB above its usual 0.45 GB
     import os
     import subprocess
     import sys
