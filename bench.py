@@ -17,7 +17,6 @@ import itertools
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 
@@ -192,8 +191,11 @@ def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_
     mfu_now = mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops))
     if rt.device_type == "cuda":  # the allocator's high-water mark
         memory = torch.cuda.max_memory_allocated()
-    else:  # the process's max resident set, in KiB on Linux
-        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    elif os.path.exists("/proc/self/status"):  # Linux: the max resident set since clear_refs, in KiB
+        with open("/proc/self/status") as f:  # (getrusage's also holds the parent's, from before exec)
+            memory = 1024 * int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+    else:  # macOS: the process's max resident set, in bytes
+        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if profile:
         print_profile(step_fn, rt)
     return dt, tokens / dt, mfu_now, memory, first
