@@ -79,7 +79,9 @@ class Adafactor(torch.optim.Optimizer):
         u = u / max(1, RMS(u) / clip_threshold)
         p -= lr * max(eps2, RMS(p)) * (u + weight_decay * p)      # RMS(p) before this update
     (torch.optim.Adafactor differs: it caps the step at 1/sqrt(t), clamps V, scales decay by lr.)
-    Under FSDP the lines run as DTensor ops, which sum over the ranks where a whole tensor is needed.
+    Under FSDP each rank holds some rows of p (FSDP shards dim 0; T5's tensors have 1 or 2 dims) and
+    works on them: C, mean(R) and the two RMS sum over the ranks, each for all tensors in one
+    all-reduce.
     """
 
     def __init__(self, params, lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.0):
@@ -91,8 +93,12 @@ class Adafactor(torch.optim.Optimizer):
     def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
         for group in self.param_groups:
             eps1, eps2 = group["eps"]
-            for p in [p for p in group["params"] if p.grad is not None]:
-                g = p.grad
+            params = [p for p in group["params"] if p.grad is not None]
+            p_rms = rms(params)  # RMS(p) before this update
+            # V from g^2 + eps1. A matrix's row means need only this rank's rows; its column means
+            # and mean(R) need every row: this rank's sums, summed over the ranks, all at once
+            betas, sums = [], []
+            for p in params:
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float64)
@@ -102,23 +108,36 @@ class Adafactor(torch.optim.Optimizer):
                     else:
                         state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
-                beta2 = 1 - state["step"] ** group["decay_rate"]
+                betas.append(1 - state["step"] ** group["decay_rate"])
+                g = local(p.grad)
                 g2 = g * g + eps1
-                if "exp_avg_sq" in state:
-                    v = state["exp_avg_sq"]
-                    v.lerp_(g2, 1 - beta2)  # V = b2*V + (1-b2)*(g^2 + eps1)
+                if p.dim() < 2:
+                    local(state["exp_avg_sq"]).lerp_(g2, 1 - betas[-1])  # V = b2*V + (1-b2)*g2
+                    continue
+                row = local(state["exp_avg_sq_row"])
+                row.lerp_(g2.mean(dim=-1), 1 - betas[-1])  # R = b2*R + (1-b2)*(g2's row means)
+                rows = p.shape[-2]
+                sums.append(g2.sum(dim=-2) / rows)  # g2's column means
+                sums.append(row.sum(dim=-1, keepdim=True) / rows)  # mean(R)
+            sums = iter(summed(sums, params))
+            updates = []
+            for p, beta2 in zip(params, betas):
+                state = self.state[p]
+                if p.dim() < 2:
+                    v = local(state["exp_avg_sq"])
                 else:
-                    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-                    row.lerp_(g2.mean(dim=-1), 1 - beta2)
-                    col.lerp_(g2.mean(dim=-2), 1 - beta2)
-                    row_share = row / row.mean(dim=-1, keepdim=True)
-                    v = row_share.unsqueeze(-1) * col.unsqueeze(-2)  # V ~ R C / mean(R): (..., rows, cols)
-                update = g * v.rsqrt()  # u = g / sqrt(V)
-                update.div_((rms([update])[0] / group["clip_threshold"]).clamp(min=1.0))  # clipped
-                step_size = rms([p])[0].clamp(min=eps2) * group["lr"]  # RMS(p) before this update
+                    col_means, row_mean = next(sums), next(sums)
+                    col = local(state["exp_avg_sq_col"])
+                    col.lerp_(col_means, 1 - beta2)  # C = b2*C + (1-b2)*(g2's column means)
+                    row = local(state["exp_avg_sq_row"])
+                    v = (row / row_mean).unsqueeze(-1) * col.unsqueeze(-2)  # V ~ R C / mean(R)
+                updates.append(local(p.grad).mul_(v.rsqrt()))  # u = g / sqrt(V), in g's memory
+            for p, update, u_rms, p_rms in zip(params, updates, rms(updates, of=params), p_rms):
+                update.div_((u_rms / group["clip_threshold"]).clamp(min=1.0))  # clipped
+                step_size = p_rms.clamp(min=eps2) * group["lr"]
                 if group["weight_decay"] != 0:
-                    p.mul_(1 - group["weight_decay"] * step_size)
-                p.sub_(update.mul_(step_size))
+                    local(p).mul_(1 - group["weight_decay"] * step_size)
+                local(p).sub_(update.mul_(step_size))
 
 # what the optimizers need for FSDP's DTensors
 
@@ -126,17 +145,26 @@ def local(t):
     """this rank's slice of a DTensor (an FSDP shard), a plain tensor sharing its memory; else t"""
     return t.to_local() if isinstance(t, DTensor) else t
 
-def rms(tensors):
+def rms(tensors, of=None):
     """each tensor's root mean square, as 0-d tensors; of FSDP's DTensors, the whole tensor's: the
-    squares of each rank's slices, summed over the ranks that shard it (under HSDP, a node's) in one
-    all-reduce for all of them"""
+    squares of each rank's slices, summed over the ranks (summed). of: the tensors whose slices
+    `tensors` are, if not themselves (Adafactor's updates)"""
+    of = of or tensors
     norms = [local(t).norm() for t in tensors]
-    if tensors and isinstance(tensors[0], DTensor):
-        squares = torch.stack(norms).square()
-        mesh = tensors[0].device_mesh
-        torch.distributed.all_reduce(squares, group=mesh.get_group(mesh.ndim - 1))  # the last: shards
-        norms = squares.sqrt().unbind()
-    return [norm / math.sqrt(t.numel()) for norm, t in zip(norms, tensors)]
+    if of and isinstance(of[0], DTensor):
+        norms = [square.sqrt() for square in summed([norm.square() for norm in norms], of)]
+    return [norm / math.sqrt(t.numel()) for norm, t in zip(norms, of)]
+
+def summed(values, of):
+    """values, each worked out from this rank's slices of the tensors `of`, summed over the ranks
+    that shard them (under HSDP, a node's), in one all-reduce for all; unchanged in one process"""
+    if not values or not isinstance(of[0], DTensor):
+        return values
+    flat = torch.cat([value.reshape(-1) for value in values])
+    mesh = of[0].device_mesh
+    torch.distributed.all_reduce(flat, group=mesh.get_group(mesh.ndim - 1))  # the last: shards
+    parts = flat.split([value.numel() for value in values])
+    return [part.view_as(value) for part, value in zip(parts, values)]
 
 def zeros_like_mean(t, dim):
     """zeros shaped like t.mean(dim); of a DTensor, laid out as that mean summed over the ranks (row means stay
