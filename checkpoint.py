@@ -11,18 +11,18 @@ import re
 import shutil
 import time
 import warnings
+import zipfile
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule
 
 from files import UserError, atomic_write, reading, write_error, write_failure
 from model import PRESETS, T5, T5Config
 from prepare import load_meta, prepare
-from runtime import print0, rank, require
+from runtime import print0, rank, require, set_values
 
 # what a run writes in its out_dir: the checkpoint (one file, or FSDP's folder of shards, or what a run
 # killed while replacing that left of it), the log and the results; a fresh run refuses to find one
@@ -394,7 +394,8 @@ def download(repo_id):
     return folder
 
 def read_weights_file(folder):
-    """every tensor of the checkpoint in folder (sharded or not), safetensors preferred"""
+    """every tensor of the checkpoint in folder (sharded or not), safetensors preferred, each mapped
+    from its file (safetensors' load_file maps them too): memory holds what is used, when it is"""
     files = sorted(glob.glob(f'{folder}/*.safetensors')) or sorted(glob.glob(f'{folder}/pytorch_model*.bin'))
     if not files:
         raise UserError(f"no model.safetensors or pytorch_model.bin in {folder}; write one with export.py")
@@ -403,7 +404,9 @@ def read_weights_file(folder):
         if files[0].endswith('.safetensors'):
             from safetensors.torch import load_file
             return {k: v for f in files for k, v in load_file(f).items()}
-        return {k: v for f in files for k, v in torch.load(f, map_location='cpu', weights_only=True).items()}
+        mapped = [torch.load(f, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(f))
+                  for f in files]  # an old file, not a zip, is read whole
+        return {k: v for state_dict in mapped for k, v in state_dict.items()}
 
 # where a model comes from: a run's checkpoint, or Hugging Face weights
 
@@ -454,12 +457,12 @@ def load_model(init_from, **overrides):
     with reading(path, NOT_A_RUN):
         return model_from_checkpoint(ckpt, **overrides), ckpt
 
-def read_weights(source, rt, fsdp=False, preset=None):
+def read_weights(source, fsdp=False, preset=None):
     """(T5Config, weights for load_weights, the run's data meta or None) of what a run starts from:
     a resumed checkpoint (from load_checkpoint), or what init_from names, a run of train.py or
-    finetune.py or Hugging Face weights, of the shape of the model preset if one is given. FSDP
-    shards stay on disk, for each rank to read its own; whole weights, under FSDP, rank 0 alone
-    reads and sends each rank its slices: the others get None."""
+    finetune.py or Hugging Face weights, of the shape of the model preset if one is given. Every
+    rank reads for itself: FSDP shards stay on disk, for each rank to read its own; other weights
+    are mapped from their files (mmap), not read, until load_weights copies what the rank keeps."""
     def of(ckpt, path=""):
         with reading(path, NOT_A_RUN):
             return T5Config(**ckpt["model_config"]), ckpt.get("shards") or ckpt["model"], ckpt["meta"]
@@ -467,17 +470,11 @@ def read_weights(source, rt, fsdp=False, preset=None):
         return of(source)
     print0(f"a new run from the weights of {source} (--init_from=resume continues a run)")
     path = find_weights(source)
-    sharded = fsdp and path and not path.endswith(".pt")
-    config = weights = meta = None
-    if sharded:  # each rank reads its own shards
-        config, weights, meta = of(load_checkpoint(path, weights=False), path)
-    elif rt.master or not fsdp:
-        config, weights, meta = of(load_checkpoint(path), path) if path else (*read_hf(source), None)
-    if fsdp and not sharded:  # the other ranks get rank 0's config and meta, not its weights
-        barrier()  # while rank 0 reads
-        shared = [(config, meta)]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        config, meta = shared[0]
+    if path is None:  # Hugging Face's
+        config, weights, meta = *read_hf(source), None
+    else:  # a run's: FSDP's shards, under FSDP, stay on disk
+        sharded = fsdp and not path.endswith(".pt")
+        config, weights, meta = of(load_checkpoint(path, weights=not sharded), path)
     if preset:  # a new run's --model: the shape of its weights
         theirs = [name for name, shape in PRESETS.items() if shape.items() <= dataclasses.asdict(config).items()]
         if preset not in theirs:
@@ -487,17 +484,20 @@ def read_weights(source, rt, fsdp=False, preset=None):
 
 def load_weights(model, weights):
     """model with weights: from a folder of FSDP shards, each rank reading its own slices; or a whole
-    state dict, which under FSDP only rank 0 holds: it sends each rank its slices"""
+    state dict, its tensors mapped from their files: under FSDP each rank copies out its own slices,
+    tensor by tensor (runtime.set_values), and so reads only those"""
     if isinstance(weights, str):
         state = {"model": get_model_state_dict(model)}  # the layout to fill
         dcp.load(state, checkpoint_id=weights)
         set_model_state_dict(model, state["model"])
-    elif isinstance(model, FSDPModule):
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, weights or {}, options=options)
-    else:
-        try:
-            model.load_state_dict(weights)
-        except RuntimeError as e:  # the first mismatch in one line, not torch's page of them
-            raise UserError(f"the weights do not match their config: {str(e).splitlines()[1].strip()}") from None
+        return model
+    layout = model.state_dict()  # each tensor's name and whole shape
+    wanted = {name: tuple(t.shape) for name, t in layout.items()}
+    found = {name: tuple(t.shape) for name, t in weights.items()}
+    if found != wanted:  # the first tensor that differs, in one line
+        name = min(name for name in wanted.keys() | found.keys() if wanted.get(name) != found.get(name))
+        raise UserError(f"the weights do not match their config: {name} is {found.get(name, 'absent')} in the "
+                        f"weights and {wanted.get(name, 'absent')} in the model")
+    for name, p in layout.items():
+        set_values(p, weights[name])
     return model

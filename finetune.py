@@ -243,7 +243,7 @@ if __name__ == "__main__":
     if resuming:
         resumed = load_checkpoint(ckpt_path, program="finetune.py", weights=not fsdp)
         check_resume(resumed, ckpt_path, config, resumed["meta"], fixed=("optimizer",))
-    t5_config, weights, meta = read_weights(resumed or init_from, rt, fsdp)
+    t5_config, weights, meta = read_weights(resumed or init_from, fsdp)
     with torch.device("meta"):
         model = T5(dataclasses.replace(t5_config, dropout=dropout))
     train_model = wrap_model(model, rt, fsdp, compile, dynamic=True)  # batches of many lengths

@@ -1,6 +1,7 @@
 """What a run needs around the model: the device and its float modes, DDP and FSDP, MFU, the log,
 and Sync, where the ranks agree."""
 import contextlib
+import datetime
 import functools
 import importlib.util
 import json
@@ -117,6 +118,12 @@ def check_device(name):
     if not there.get(name.split(":")[0], True):
         raise UserError(f"device '{name}' asked for, but torch sees no such GPU here; use --device=cpu")
 
+# how long a collective waits for every rank: long while the run starts, where ranks may read weights or
+# prepare data at different paces; then NCCL's default (which HSDP's mesh groups get), so that a hung
+# rank stops the run sooner
+START_TIMEOUT = datetime.timedelta(hours=1)
+TRAIN_TIMEOUT = datetime.timedelta(minutes=10)
+
 def setup_runtime(device="auto", dtype="bfloat16", seed=1337, fsdp=False):
     """picks the device, joins torchrun's process group if there is one, seeds, sets the float modes"""
     ddp = "RANK" in os.environ
@@ -142,7 +149,8 @@ def setup_runtime(device="auto", dtype="bfloat16", seed=1337, fsdp=False):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     if ddp:
-        torch.distributed.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, timeout=START_TIMEOUT)
     torch.manual_seed(seed)  # the same on every rank, so all replicas start equal
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = dtype != "float32"
     if device_type == "cpu":
@@ -243,11 +251,16 @@ def draw_weights(model):
     for name, p in model.named_parameters():
         whole = torch.empty(p.shape, device=p.device)  # no whole tensor crosses from the host
         model.init_parameter(name, whole)
-        if isinstance(p, DTensor):
-            mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(mine.to_local())
-        else:
-            p.copy_(whole)
+        set_values(p, whole)
+
+@torch.no_grad()
+def set_values(p, whole):
+    """p, a placed parameter, gets the values of whole, a tensor of its shape on any device: under
+    FSDP, only this rank's slice, which it cuts itself (src_data_rank=None: no rank sends)"""
+    if isinstance(p, DTensor):
+        whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p = p.to_local()
+    p.copy_(whole)
 
 def print_memory(model, optimizer, rt):
     """after the first step: what rank 0 holds of the weights and optimizer state; a GPU's peak"""
@@ -304,7 +317,8 @@ class Sync:
     the ranks, whether a loss or grad norm since the last sync was NaN or inf (watch), whether
     SIGINT or SIGTERM came to any rank, and rank 0's clock (training seconds over resumes, less time
     in paused()). In between, the host waits for neither the device nor another rank; a signal's
-    flag alone is summed at every step, and read two steps later (stop_now)."""
+    flag alone is summed at every step, and read two steps later (stop_now). From the first
+    agreement on, the run has started: a collective waits TRAIN_TIMEOUT, not START_TIMEOUT."""
 
     def __init__(self, rt, ckpt_path, step, elapsed=0.0):
         self.rt = rt
@@ -372,6 +386,7 @@ class Sync:
         shared = torch.cat([from_device.to(device).double(), from_host.to(device)])
         if self.rt.ddp:
             torch.distributed.all_reduce(shared)  # a sum: any rank's flags, rank 0's clock, the mean
+            torch.distributed.group.WORLD.set_timeout(TRAIN_TIMEOUT)  # the run has started
         nonfinite, mean_loss, signalled, elapsed = shared.tolist()  # the one wait for the device
         if nonfinite:
             kept = "no checkpoint was written yet; start again"

@@ -8,11 +8,43 @@ import sys
 import pytest
 import torch
 
-from checkpoint import check_resume, claim_out_dir, load_checkpoint, save_checkpoint
+from checkpoint import (check_resume, claim_out_dir, load_checkpoint, load_weights, restore_state, run_state,
+                        save_checkpoint)
 from files import UserError, atomic_write
+from model import T5, T5Config
+from optim import AdamWScale
 from runtime import Logger, Runtime
 
 REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_weights_that_do_not_fit_the_model_are_one_line_naming_the_tensor():
+    model = T5(T5Config.from_preset("t5-mini", vocab_size=256))
+    weights = {name: torch.zeros(t.shape) for name, t in model.state_dict().items()}
+    assert load_weights(model, weights) is model and all(t.abs().sum() == 0 for t in model.state_dict().values())
+    wider = dict(weights, **{"encoder.ln_f.weight": torch.zeros(129)})
+    with pytest.raises(UserError, match=r"encoder.ln_f.weight is \(129,\) in the weights and \(128,\) in the model$"):
+        load_weights(model, wider)
+    missing = {name: t for name, t in weights.items() if name != "lm_head.weight"}
+    with pytest.raises(UserError, match=r"lm_head.weight is absent in the weights and \(256, 128\) in the model$"):
+        load_weights(model, missing)
+
+
+def test_a_run_keeps_its_own_gpus_rng_state_so_a_resume_may_see_other_gpus(monkeypatch):
+    # 8 GPUs visible when saving: the state of this rank's GPU alone is kept, and restored on a machine with fewer
+    # (every visible GPU's states, restored one per GPU, would fail there)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.arange(16, dtype=torch.uint8))
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
+    t5 = T5(T5Config.from_preset("t5-mini", vocab_size=256))
+    opt = AdamWScale(t5.parameters(), lr=1e-2)
+    state = run_state(t5, opt, step=3, elapsed=1.0, config={})
+    assert torch.equal(state["rng"]["cuda"], torch.arange(16, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert restore_state(state, t5, opt) == (3, 1.0)
+    assert len(restored) == 1 and torch.equal(restored[0], torch.arange(16, dtype=torch.uint8))
 
 
 def test_checkpoint_round_trip_and_errors(tmp_path):

@@ -142,6 +142,24 @@ def test_sharded_checkpoint_loads_into_one_process_and_exports(runs, tmp_path):
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
 
 
+def test_fsdp_ranks_start_from_whole_weights_as_one_process(runs, data_dir, tmp_path):  # noqa: F811
+    # --init_from a one-process run's ckpt.pt, or its export to Hugging Face's safetensors: every rank maps the file
+    # and copies out its own slices. 2 ranks log one process's losses from the same weights.
+    weights, hf = os.path.join(runs["adamwscale", "one"][0], "ckpt.pt"), str(tmp_path / "hf")
+    assert run(["export.py", f"--init_from={weights}", f"--out_dir={hf}"]).returncode == 0
+    logs = {}
+    for name, launch, start in (("one", [], hf), ("hf", TORCHRUN, hf), ("pt", TORCHRUN, weights)):
+        out_dir = str(tmp_path / name)
+        extra = ["--fsdp=True"] if launch else ["--grad_accum_steps=2"]
+        r = run([*launch, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_steps=3",
+                 f"--init_from={start}", *extra])
+        assert r.returncode == 0, r.stderr
+        logs[name] = read_log(out_dir)
+    assert logs["one"].keys() == {1, 2, 3}
+    assert logs["hf"] == pytest.approx(logs["one"], rel=1e-4)
+    assert logs["pt"] == pytest.approx(logs["one"], rel=1e-4)
+
+
 def test_kill_and_resume_is_exact(runs, data_dir, tmp_path):  # noqa: F811
     straight = runs["adamwscale", "fsdp"][0]
     killed = str(tmp_path / "killed")
@@ -436,9 +454,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 @pytest.fixture(scope="module")
 def peaks(tmp_path_factory):
     """Peak resident memory (MiB) per rank: one process and 2 FSDP ranks for a step of 2 micro-steps followed by an
-    evaluation; the FSDP ranks again resuming from that step's checkpoint. And each command's with t5-mini, which the
-    test subtracts, so that imports, data and gloo cancel out (a resume's is its step's: t5-mini's checkpoint is
-    small)"""
+    evaluation; the FSDP ranks again resuming from that step's checkpoint, and starting from the one process's
+    weights (its ckpt.pt). And each command's with t5-mini, which the test subtracts, so that imports, data and gloo
+    cancel out (a resume's and a start's are its step's: t5-mini's checkpoint is small)"""
     root = tmp_path_factory.mktemp("peaks")
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9))) for _ in range(3000)]
@@ -456,15 +474,18 @@ def peaks(tmp_path_factory):
     for model in ("t5-v1_1-base", "t5-mini"):
         for name, launch in (("one", []), ("fsdp", [*TORCHRUN])):
             out_dir = str(root / f"{model}-{name}")
-            for case, extra in (("step", ["--max_steps=1"]), ("resume", ["--max_steps=2", "--init_from=resume"])):
+            weights = os.path.join(root / f"{model}-one", "ckpt.pt")
+            for case, extra in (("step", ["--max_steps=1"]), ("resume", ["--max_steps=2", "--init_from=resume"]),
+                                ("start", ["--max_steps=1", f"--init_from={weights}"])):
                 # the reference is one process's step (its resume holds its checkpoint's copy too); and the
-                # t5-mini step's serves the resume
-                if case == "resume" and (not launch or model == "t5-mini"):
+                # t5-mini step's serves the resume and the start
+                if case != "step" and (not launch or model == "t5-mini"):
                     continue
                 script = root / f"{model}-{name}-{case}.py"
                 script.write_text(PEAK.format(repo=os.path.dirname(os.path.abspath(__file__))))
                 fsdp = ["--fsdp=True"] if launch else []
-                r = run([*launch, str(script), *common, f"--model={model}", f"--out_dir={out_dir}", *fsdp, *extra],
+                run_dir = f"{out_dir}-{case}" if case == "start" else out_dir
+                r = run([*launch, str(script), *common, f"--model={model}", f"--out_dir={run_dir}", *fsdp, *extra],
                         env_extra=env)
                 assert r.returncode == 0, r.stderr
                 out[model, name, case] = [int((root / f"{script.name}.{rank}.peak").read_text()) / 1024
@@ -473,12 +494,13 @@ def peaks(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("case", ["step", "resume"])
+@pytest.mark.parametrize("case", ["step", "resume", "start"])
 def test_no_fsdp_rank_holds_the_whole_model(peaks, case):
     """One process holds the weights and their gradients, 8 bytes per parameter (Adafactor's factored moments are
     small); each of 2 FSDP ranks half of that, plus gathered blocks and activations, whatever it does: a step of 2
-    micro-steps and an evaluation, or a resume. Whole weights on a rank (an unsharded copy to generate with, whole
-    gradients while accumulating, a whole checkpoint read to resume) would each add 768 MiB."""
+    micro-steps and an evaluation, a resume, or a start from another run's whole weights. Whole weights on a rank
+    (an unsharded copy to generate with, whole gradients while accumulating, a whole checkpoint read to resume or
+    start from) would each add 768 MiB."""
     parameters = 201.4e6
     one = peaks["t5-v1_1-base", "one", "step"][0] - peaks["t5-mini", "one", "step"][0]
     assert 8 * parameters / 2**20 < one < 9 * parameters / 2**20

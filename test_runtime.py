@@ -1,9 +1,11 @@
-"""Tests for runtime.py: peak FLOP/s by GPU name, MFU, the memory report and the FLOPs of a step."""
+"""Tests for runtime.py: peak FLOP/s by GPU name, MFU, the memory report and the FLOPs of a step; the
+collectives' timeouts."""
 import pytest
 import torch
 
 from model import T5, T5Config
 from runtime import DTYPES, Runtime, flops_per_step, memory_report, mfu
+from test_train import REPO, run
 
 # the exact names torch.cuda.get_device_name prints, and each one's dense bf16 peak; near misses of a listed name
 # (an L40S is not an L4, an H100 PCIe is not an SXM) must not borrow its figure
@@ -52,3 +54,39 @@ def test_flops_per_step_counts_every_matmul():
     # weights alone, each over the tokens of its own stack, bound it from below; attention adds the rest
     assert flops > 4 * 6 * (sum(p.numel() for p in model.encoder.parameters()) * S)
     assert 4 * 6 * n * T < flops < 4 * 6 * n * S + 4 * 12 * 384 * 16 * S * S
+
+
+TIMEOUT_SCRIPT = """
+import datetime, os, sys, time
+sys.path.insert(0, {repo!r})
+import torch
+import runtime
+runtime.TRAIN_TIMEOUT = datetime.timedelta(seconds=2)
+rt = runtime.setup_runtime("cpu", "float32")
+
+def late_all_reduce():  # rank 1 comes 5 s late: whether rank 0 waits for it
+    if rt.rank == 1:
+        time.sleep(5)
+    try:
+        torch.distributed.all_reduce(torch.ones(1))
+        return "waited"
+    except RuntimeError:
+        return "timed out"
+
+starting = late_all_reduce()
+sync = runtime.Sync(rt, "ckpt.pt", step=0)
+sync.watch(torch.zeros(()), torch.zeros(()))
+sync.agree(1, torch.zeros(()))  # the loop's first agreement: the run has started
+training = late_all_reduce()
+if rt.rank == 0:
+    print(starting, training, flush=True)
+os._exit(0)  # rank 1's collective failed with rank 0's: no teardown
+"""
+
+
+def test_a_collective_waits_long_while_starting_and_times_out_sooner_once_training(tmp_path):
+    # START_TIMEOUT (an hour) while the ranks start; from the loop's first agreement on, TRAIN_TIMEOUT, here 2 s
+    script = tmp_path / "timeouts.py"
+    script.write_text(TIMEOUT_SCRIPT.format(repo=REPO))
+    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)])
+    assert r.stdout.split() == ["waited", "timed", "out"], r.stderr

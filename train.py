@@ -103,7 +103,7 @@ resumed = checkpoint.open_out_dir(ckpt_path, config, meta, rt)  # out_dir ours; 
 if init_from == "scratch":
     t5_config, weights = T5Config.from_preset(model, vocab_size=meta["model_vocab_size"]), None
 else:  # this run's checkpoint, or the weights init_from names (a run's, Hugging Face's)
-    t5_config, weights, _ = checkpoint.read_weights(resumed or init_from, rt, fsdp, model)
+    t5_config, weights, _ = checkpoint.read_weights(resumed or init_from, fsdp, model)
 with torch.device("meta"):
     t5 = T5(dataclasses.replace(t5_config, dropout=dropout))  # dropout ours: HF's configs say 0.1
 # what the loop calls: the T5 itself (sharded in place), or its compiled or DDP wrapper
