@@ -329,8 +329,11 @@ if __name__ == "__main__":
             torch.distributed.all_reduce(step_tokens)
         train_loss = 0.0
         for micro_step, (batch, batch_tokens) in enumerate(zip(batches, tokens)):
+            last_micro_step = micro_step == grad_accum_steps - 1
             if rt.ddp and not fsdp:  # DDP all-reduces the gradients once, after the last micro-step
-                train_model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+                train_model.require_backward_grad_sync = last_micro_step
+            if fsdp:  # HSDP's all-reduce across nodes, likewise
+                model.set_requires_all_reduce(last_micro_step)
             with rt.autocast():
                 _, loss = train_model(**batch)
             weight = batch_tokens * rt.world_size / step_tokens

@@ -78,33 +78,55 @@ def test_each_rank_holds_half_the_state(runs):
     assert fsdp == pytest.approx(one / 2, rel=0.01)
 
 
-def two_nodes(args, nproc=2, cwds=(REPO, REPO)):
-    """train.py args as 2 nodes of nproc gloo ranks each on this machine, each node in its folder of cwds: two
-    torchrun launches, which meet at a free port; each node's (exit code, stdout, stderr)"""
+def two_nodes(args, nproc=2, cwds=(REPO, REPO), script=os.path.join(REPO, "train.py")):
+    """train.py args (or script's) as 2 nodes of nproc gloo ranks each on this machine, each node in its folder of
+    cwds: two torchrun launches, which meet at a free port; each node's (exit code, stdout, stderr)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launch = ["-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
               f"--master_port={port}"]
-    nodes = [subprocess.Popen([sys.executable, *launch, f"--node_rank={node}", os.path.join(REPO, "train.py"), *args],
+    nodes = [subprocess.Popen([sys.executable, *launch, f"--node_rank={node}", str(script), *args],
                               cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for node, cwd in enumerate(cwds)]
     outputs = [node.communicate(timeout=300) for node in nodes]
     return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
 
 
+COUNTED = """
+import atexit, collections, os, runpy, sys
+import torch.distributed as dist
+all_reduce, counts = dist.all_reduce, collections.Counter()
+def counted(*args, group=None, **kwargs):  # all-reduces by the ranks of their group
+    counts[str(dist.get_process_group_ranks(group) if group else "all")] += 1
+    return all_reduce(*args, group=group, **kwargs)
+dist.all_reduce = counted
+atexit.register(lambda: print("all-reduces:", dict(counts), flush=True))
+sys.argv = [os.path.join({repo!r}, "train.py"), *sys.argv[1:]]
+sys.path.insert(0, {repo!r})
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.mark.parametrize("shard_across_nodes, share", [(False, 1 / 2), (True, 1 / 4)])
 def test_two_nodes_shard_within_each_and_replicate_across(runs, data_dir, tmp_path, shard_across_nodes, share):
     # HSDP: each node holds the model sharded over its 2 ranks, so a rank holds half the state, and the nodes are
-    # replicas; with shard_across_nodes one sharding over all 4 ranks, a quarter. Either logs one process's losses.
+    # replicas; with shard_across_nodes one sharding over all 4 ranks, a quarter. Either logs one process's losses,
+    # with 2 micro-steps a step, as the one process has.
     out = str(tmp_path / "out")
-    nodes = two_nodes([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}", "--fsdp=True",
-                       f"--shard_across_nodes={shard_across_nodes}"])
+    script = tmp_path / "counted.py"
+    script.write_text(COUNTED.format(repo=REPO))
+    nodes = two_nodes([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}", "--fsdp=True", "--grad_accum_steps=2",
+                       f"--shard_across_nodes={shard_across_nodes}"], script=script)
     assert [code for code, _, _ in nodes] == [0, 0], nodes
     stdout = nodes[0][1]
     one_dir, one_stdout = runs["adamwscale", "one"]
     assert read_log(out) == pytest.approx(read_log(one_dir), rel=2e-3)
     assert state_mib(stdout) == pytest.approx(state_mib(one_stdout) * share, rel=0.01)
+    # rank 0 and rank 2, on the other node, all-reduce each FSDP group's gradients once a step, after the last
+    # micro-step: 10 groups (6 blocks, 2 relative_attention_bias tables, the embedding, the root) x 8 steps
+    across = eval(re.search(r"all-reduces: (.*)", stdout).group(1)).get("[0, 2]", 0)
+    assert across == (0 if shard_across_nodes else 10 * 8)
 
 
 def test_an_out_dir_one_node_does_not_see_is_one_line(data_dir, tmp_path):  # noqa: F811

@@ -187,8 +187,11 @@ while not last_step:
     # forward and backward over this rank's micro-batches, the gradients summed; clip; update
     train_loss = 0.0  # this rank's: the mean over its micro-batches
     for micro_step, batch in enumerate(train_batches.get(step)):
+        last_micro_step = micro_step == grad_accum_steps - 1
         if rt.ddp and not fsdp:  # DDP all-reduces the gradients once, after the last micro-step
-            train_t5.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+            train_t5.require_backward_grad_sync = last_micro_step
+        if fsdp:  # HSDP's all-reduce across nodes, likewise
+            t5.set_requires_all_reduce(last_micro_step)
         with rt.autocast():
             _, loss = train_t5(**batch)
         (loss / grad_accum_steps).backward()  # FSDP reduce-scatters at each: gradients stay sharded
