@@ -101,7 +101,7 @@ def counted(*args, group=None, **kwargs):  # all-reduces by the ranks of their g
     counts[str(dist.get_process_group_ranks(group) if group else "all")] += 1
     return all_reduce(*args, group=group, **kwargs)
 dist.all_reduce = counted
-atexit.register(lambda: print("all-reduces:", dict(counts), flush=True))
+atexit.register(lambda: print(f"rank {{os.environ['RANK']}} all-reduces: {{dict(counts)}}", flush=True))
 sys.argv = [os.path.join({repo!r}, "train.py"), *sys.argv[1:]]
 sys.path.insert(0, {repo!r})
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -125,7 +125,7 @@ def test_two_nodes_shard_within_each_and_replicate_across(runs, data_dir, tmp_pa
     assert state_mib(stdout) == pytest.approx(state_mib(one_stdout) * share, rel=0.01)
     # rank 0 and rank 2, on the other node, all-reduce each FSDP group's gradients once a step, after the last
     # micro-step: 10 groups (6 blocks, 2 relative_attention_bias tables, the embedding, the root) x 8 steps
-    across = eval(re.search(r"all-reduces: (.*)", stdout).group(1)).get("[0, 2]", 0)
+    across = eval(re.search(r"rank 0 all-reduces: (.*)", stdout).group(1)).get("[0, 2]", 0)
     assert across == (0 if shard_across_nodes else 10 * 8)
 
 
