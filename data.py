@@ -2,18 +2,19 @@
 The training-time data path: a prepared folder's windows of tokens, span-corrupted into T5's
 (inputs, targets); the batch of every step, built ahead in a thread; what an evaluation measures.
     data = SpanCorruptionBatches("data/pydoc", "train", batch_size=16, input_length=128,
-                                 noise_density=0.15, mean_noise_span_length=3.0, seed=1337, vocab_size=1152)
+                                 noise_density=0.15, mean_noise_span_length=3.0, seed=1337,
+                                 vocab_size=1152)
     input_ids, labels = data.get(step)  # (16, 128) and (16, 29): the batch of any step, at any time
 """
 import functools
+import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from files import UserError
-from prepare import NUM_SENTINELS, check_files, load_meta, rebuild
+from prepare import NUM_SENTINELS, load_meta, prepare_command
 
 # span corruption, as T5 does it (t5.data.preprocessors: random_spans_noise_mask and co.)
 
@@ -25,9 +26,8 @@ def noise_counts(length, noise_density, mean_noise_span_length):
     return num_noise, num_spans
 
 def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
-    """T5's random_spans_helper: (the longest raw window whose inputs fit inputs_length, the length
-    of its targets). Inputs hold the kept tokens, a sentinel per span and EOS; targets a sentinel per
-    span, the noise and EOS."""
+    """T5's random_spans_helper: (the longest raw window whose inputs fit inputs_length, its
+    targets' length). Inputs: kept tokens, a sentinel per span, EOS; targets: sentinels, noise, EOS."""
     def corrupted_lengths(raw_length):
         num_noise, num_spans = noise_counts(raw_length, noise_density, mean_noise_span_length)
         return raw_length - num_noise + num_spans + 1, num_noise + num_spans + 1
@@ -38,7 +38,7 @@ def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_sp
 
 def random_segmentation(num_items, num_segments, rng):
     """T5's: the lengths of the num_segments non-empty runs that num_items split into at random.
-    Item 0 starts the first run; num_segments - 1 of the others, chosen at random, start the rest."""
+    Item 0 starts the first run; num_segments - 1 others, chosen at random, start the rest."""
     starts = np.zeros(0, dtype=np.int64)  # of all runs but the first
     if num_segments > 1:  # the items with the smallest random keys: a uniformly random choice
         keys = rng.random(num_items - 1)
@@ -68,7 +68,7 @@ def noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id):
 
 def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rngs):
     """T5's span corruption of windows `tokens` (B, L): (inputs, targets), int64, rows ending with
-    EOS. rngs: a numpy Generator per row (a row is then the same alone as in a batch), or one for all.
+    EOS. rngs: a numpy Generator per row (a row is the same alone as in a batch), or one for all.
     With words for tokens, a window of 10, noise_density 0.3 and mean_noise_span_length 1.5 make 3
     noise tokens in 2 spans; random segmentation splits the 7 kept tokens into 2 runs, here 2 and 5,
     and the 3 noise tokens into 2 and 1; interleaved, they make the noise mask:
@@ -95,14 +95,15 @@ def micro_batch_size(batch_size, grad_accum_steps, world_size):
     """the rows of one micro-step on one rank: a step's batch_size over micro-steps and ranks"""
     size, leftover = divmod(batch_size, grad_accum_steps * world_size)
     if leftover or not size:
-        raise UserError(f"batch_size={batch_size} must split evenly into grad_accum_steps="
-                        f"{grad_accum_steps} x {world_size} ranks; change batch_size or grad_accum_steps")
+        raise SystemExit(f"error: batch_size={batch_size} must split evenly into grad_accum_steps="
+                         f"{grad_accum_steps} x {world_size} ranks; change batch_size or "
+                         f"grad_accum_steps")
     return size
 
 # the random streams of the batches: numpy seeds [run seed or none, stream, where in the run]
 TRAIN_ORDER = 0  # [seed, TRAIN_ORDER, epoch]: the order in which train's windows are read
 TRAIN_SPANS = 1  # [seed, TRAIN_SPANS, step, row]: where the noise spans of a training row fall
-VAL_SPANS = 2  # [VAL_SPANS, step, row]: a val row's, without the seed: eval losses compare across runs
+VAL_SPANS = 2  # [VAL_SPANS, step, row]: a val row's; no seed: eval losses compare across runs
 
 @functools.lru_cache(maxsize=1)
 def train_order(seed, num_windows, epoch):
@@ -110,15 +111,14 @@ def train_order(seed, num_windows, epoch):
 
 class SpanCorruptionBatches:
     """Span-corrupted batches of a prepared folder's windows of raw_length tokens. Row r of step
-    k's global batch is a function of (seed, k, r), so that resuming, more GPUs or another
-    grad_accum_steps change nothing."""
+    k's global batch is a function of (seed, k, r): resuming, more GPUs, micro-steps change nothing."""
     def __init__(self, data_dir, split, batch_size, input_length, noise_density,
                  mean_noise_span_length, seed, vocab_size):
         self.meta = load_meta(data_dir)
         if vocab_size != self.meta["model_vocab_size"]:
-            raise UserError(f"{data_dir} was tokenised with '{self.meta['settings']['tokenizer']}' for a "
-                            f"model vocab of {self.meta['model_vocab_size']}, but the model's vocab_size is "
-                            f"{vocab_size}: use data prepared with the model's tokenizer")
+            raise SystemExit(f"error: {data_dir} was tokenised for a model vocab of "
+                             f"{self.meta['model_vocab_size']}, but the model's vocab_size is "
+                             f"{vocab_size}: use data prepared with the model's tokenizer")
         self.split = split
         self.batch_size = batch_size
         self.noise_density = noise_density
@@ -126,24 +126,32 @@ class SpanCorruptionBatches:
         self.seed = seed
         self.raw_length, self.targets_length = compute_input_and_target_lengths(
             input_length, noise_density, mean_noise_span_length)
-        self.names = self.meta["train_shards"] if split == "train" else ["val.bin"]
-        check_files(self.meta, self.names)
-        self.shards = [np.memmap(f"{data_dir}/{name}", dtype=np.uint16, mode="r") for name in self.names]
-        self.vocab_size = vocab_size  # ids checked in get: here, every shard would be read whole
+        names = self.meta["train_shards"] if split == "train" else ["val.bin"]
+        self.paths = [os.path.join(data_dir, name) for name in names]
+        files = self.meta["shards"] if split == "train" else self.meta["val"]
+        for path, tokens in zip(self.paths, [file["tokens"] for file in files]):
+            if not os.path.isfile(path) or os.path.getsize(path) != 2 * tokens:  # lost, or cut
+                raise SystemExit(f"error: {path} is not the {tokens:,} tokens meta.json says (lost "
+                                 f"or cut): delete {data_dir} and prepare it again with "
+                                 f"`{prepare_command(self.meta['settings'], data_dir)}`")
+        self.shards = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.paths]
+        self.vocab_size = vocab_size
+        self.checked = set()  # the shards whose ids were checked, each when a step first reads it
         windows = [len(s) // self.raw_length for s in self.shards]  # each shard's, not overlapping
         self.num_windows = sum(windows)
         if self.num_windows == 0:
-            raise UserError(f"the {split} data in {data_dir} has fewer than {self.raw_length} tokens, "
-                            f"not one window: prepare more data or lower input_length")
+            raise SystemExit(f"error: the {split} data in {data_dir} has fewer than "
+                             f"{self.raw_length} tokens, not one window: prepare more data, or "
+                             f"lower input_length")
         self.first_window = np.cumsum([0] + windows)  # of each shard
 
     def window_of(self, samples):
         """(shard, first token) of the window that each of samples reads, a sample being step *
         batch_size + row. The shards are cut into windows of raw_length L, numbered on from shard
         to shard; train reads them in a new order each epoch, val in order. With shards of 3 and 2
-        windows, batch_size 4 and seed 1337, epoch 1 reads train_order(1337, 5, 1) = [2, 4, 0, 1, 3]:
-        sample 5 (step 1, row 1) is its first, window 2, shard 0's third (tokens 2L to 3L); sample
-        6 reads window 4, shard 1's second (tokens L to 2L)."""
+        windows, batch_size 4 and seed 1337, epoch 1 reads train_order(1337, 5, 1) =
+        [2, 4, 0, 1, 3]: sample 5 (step 1, row 1) is its first, window 2, shard 0's third (tokens
+        2L to 3L); sample 6 reads window 4, shard 1's second (tokens L to 2L)."""
         epochs, nth = np.divmod(samples, self.num_windows)
         windows = nth.copy()
         if self.split == "train":
@@ -155,17 +163,18 @@ class SpanCorruptionBatches:
 
     def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
         """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: this rank's
-        slice of step's global batch for micro_step, b = batch_size / (grad_accum_steps * world_size)"""
+        slice of step's global batch for micro_step: b = batch_size / grad_accum_steps / ranks"""
         b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
         first_row = (micro_step * world_size + rank) * b
         rows = range(first_row, first_row + b)
         shards, starts = self.window_of(step * self.batch_size + np.array(rows))
+        for s in set(shards.tolist()) - self.checked:  # a shard's ids, once, where they enter
+            if self.shards[s].max() >= self.vocab_size:
+                raise SystemExit(f"error: {self.paths[s]} holds token id {self.shards[s].max()}, "
+                                 f"beyond the model's vocab_size {self.vocab_size}: it is another "
+                                 f"tokenizer's")
+            self.checked.add(s)
         raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shards, starts)])
-        if raw.max() >= self.vocab_size:  # a damaged shard, or another tokenizer's
-            row = raw.max(axis=1).argmax()
-            raise rebuild(self.meta, f"{self.meta['data_dir']}/{self.names[shards[row]]} holds token id "
-                                     f"{raw[row].max()}, beyond the model's vocab_size {self.vocab_size} (corrupt, "
-                                     f"or another tokenizer's)")
         if self.split == "train":
             rngs = [np.random.default_rng([self.seed, TRAIN_SPANS, step, r]) for r in rows]
         else:
@@ -205,7 +214,8 @@ class Prefetcher:
         next_step, future = self.next
         micro_batches = future.result() if next_step == step else self.on_host(step)
         self.next = (step + 1, self.pool.submit(self.on_host, step + 1))
-        return [{key: t.to(self.device, non_blocking=True) for key, t in batch.items()} for batch in micro_batches]
+        return [{key: t.to(self.device, non_blocking=True) for key, t in batch.items()}
+                for batch in micro_batches]
 
     def close(self):
         """stop the thread, dropping a batch built ahead that no step will use"""

@@ -1,7 +1,6 @@
 """A T5 v1.1 encoder-decoder in one file, numerically Hugging Face's T5ForConditionalGeneration.
 After the T5 paper (arxiv.org/abs/1910.10683), t5x (v1.1's shapes, buckets and init), transformers'
-modeling_t5.py, and gpt-fast (the static KV cache, the compiled decode step). checkpoint.py reads
-and writes Hugging Face's format."""
+modeling_t5.py, and gpt-fast (the static KV cache, the compiled decode step)."""
 
 import dataclasses
 import math
@@ -9,9 +8,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-class UserError(Exception):
-    """Bad input from the user: the message is one line saying what is wrong and how to fix it."""
 
 @dataclasses.dataclass
 class T5Config:
@@ -34,13 +30,13 @@ class T5Config:
 
     @property
     def output_scaling(self):
-        scaled = self.tie_word_embeddings if self.scale_decoder_outputs is None else self.scale_decoder_outputs
+        scaled = self.scale_decoder_outputs
+        if scaled is None:  # as the original T5, scaled if tied
+            scaled = self.tie_word_embeddings
         return self.d_model ** -0.5 if scaled else 1.0
 
     @classmethod
     def from_preset(cls, name, **overrides):
-        if name not in PRESETS:
-            raise UserError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
 # shapes from the t5x gin files; 't5-mini' and 't5-tiny' are small enough to train on a laptop CPU
@@ -59,8 +55,8 @@ for _shape in PRESETS.values():  # v1.1's decoder is as deep as its encoder
 def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
     """T5's positions: key_position - query_position -> a bucket, whose learned bias each head adds
     to the score. Half the buckets hold one distance each, half log-wider ranges up to max_distance,
-    and farther keys share the last. The encoder gives half of them to keys on the right; the decoder
-    sees keys on the left only. With num_buckets 32 and max_distance 128:
+    and farther keys share the last. The encoder gives half of them to keys on the right; the
+    decoder sees keys on the left only. With num_buckets 32 and max_distance 128:
         key - query  -200 -128 -64 -32 -16  -8  -7  -1   0   1   7   8  16  32  64 128
         encoder        15   15  14  12  10   8   7   1   0  17  23  24  26  28  30  31
         decoder        31   31  26  21  16   8   7   1   0   0   0   0   0   0   0   0"""
@@ -73,7 +69,8 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
         distance = (-relative_position).clamp(min=0)
     max_exact = num_buckets // 2
     # clamp(min=1) only keeps log() finite for the small distances that torch.where discards anyway
-    log_ratio = torch.log(distance.clamp(min=1).float() / max_exact) / math.log(max_distance / max_exact)
+    log_distance = torch.log(distance.clamp(min=1).float() / max_exact)
+    log_ratio = log_distance / math.log(max_distance / max_exact)
     large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
     return bucket + torch.where(distance < max_exact, distance, large)
 
@@ -89,20 +86,21 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 class KVCache(nn.Module):
-    """self-attention's k, v of the tokens decoded so far, in buffers sized up front: one shape for all steps"""
+    """self-attention's k, v of the tokens decoded so far, in buffers sized up front: one shape"""
     def __init__(self, shape, dtype, device):  # shape: (B, nh, max_len, hs)
         super().__init__()
-        self.register_buffer('k_cache', torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer('v_cache', torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        zeros = dict(dtype=dtype, device=device)
+        self.register_buffer('k_cache', torch.zeros(shape, **zeros), persistent=False)
+        self.register_buffer('v_cache', torch.zeros(shape, **zeros), persistent=False)
 
-    def update(self, pos, k, v):  # k, v (B, nh, T, hs) go to positions pos (T,); returns all of them
+    def update(self, pos, k, v):  # k, v (B, nh, T, hs) go to positions pos (T,); returns all
         self.k_cache.index_copy_(2, pos, k)
         self.v_cache.index_copy_(2, pos, v)
         return self.k_cache, self.v_cache
 
 class Attention(nn.Module):
     """Multi-head attention without the 1/sqrt(d_kv) scaling, which T5 folds into q's init. q, k, v
-    stay separate tensors: the optimizers scale each one's update by its RMS, and q starts 8x smaller."""
+    stay separate: the optimizers scale each one's update by its RMS, and q starts 8x smaller."""
     def __init__(self, config, has_relative_attention_bias=False, bidirectional=True):
         super().__init__()
         self.d_kv = config.d_kv
@@ -132,17 +130,16 @@ class Attention(nn.Module):
         return self.split_heads(self.k(source)), self.split_heads(self.v(source))
 
     def forward(self, x, mask, kv=None, pos=None):
-        """x (B, T, d_model) attends, mask (the position bias, -large where not allowed) added to its
-        scores, in one of three modes: self-attention over x; cross-attention over kv, the keys and
-        values of the encoder's output; or, decoding, self-attention of x at positions pos over the
-        kv_cache."""
+        """x (B, T, d_model) attends, mask (the position bias, -large where not allowed) added to
+        its scores, in one of three modes: self-attention over x; cross-attention over kv, the keys
+        and values of the encoder's output; or, decoding, self-attention at pos over the kv_cache."""
         q = self.split_heads(self.q(x))
         k, v = self.kv(x) if kv is None else kv  # self-attention, or cross-attention
         if pos is not None:  # decoding: this step's k, v join the cache; q attends over all steps
             k, v = self.kv_cache.update(pos, k, v)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, dropout_p=dropout)
-        return self.o(y.transpose(1, 2).flatten(2))  # (B, nh, T, hs) -> (B, T, nh * hs) -> (B, T, d)
+        return self.o(y.transpose(1, 2).flatten(2))  # (B, nh, T, hs) -> (B, T, nh * hs)
 
 class GatedGELU(nn.Module):
     """v1.1's feed-forward: gelu(x @ wi_0) * (x @ wi_1) @ wo, GELU in its tanh approximation"""
@@ -181,30 +178,30 @@ class DecoderBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def encoder_kv(self, encoder_out):
-        """Cross-attention's keys and values of the encoder's output, (B, nh, S, hs) each. They depend
-        on the input alone, so generate() computes them once for all its steps."""
+        """Cross-attention's keys and values of the encoder's output, (B, nh, S, hs) each. They
+        depend on the input alone, so generate() computes them once for all its steps."""
         k, v = self.cross_attn.kv(encoder_out)
         if encoder_out.device.type == "cpu":  # the CPU attention kernel reads strided k, v slower
             k, v = k.contiguous(), v.contiguous()
         return k, v
 
     def forward(self, x, self_mask, cross_mask, encoder_out, pos=None):
-        """encoder_out: the encoder's output, which cross-attention reads; or, decoding, this layer's
-        encoder_kv() of it, computed once"""
+        """encoder_out: the encoder's output, which cross-attention reads; or, decoding, this
+        layer's encoder_kv() of it, computed once"""
         x = x + self.dropout(self.self_attn(self.ln_1(x), self_mask, pos=pos))
         kv = self.cross_attn.kv(encoder_out) if pos is None else encoder_out
         x = x + self.dropout(self.cross_attn(self.ln_2(x), cross_mask, kv=kv))
         return x + self.dropout(self.ff(self.ln_3(x)))
 
 def padding_mask(attention_mask, dtype):
-    """(B, S), 0 at padding -> additive (B, 1, 1, S): the dtype's minimum there; -inf would make NaN"""
+    """(B, S), 0 at padding -> additive (B, 1, 1, S): the dtype's minimum there (-inf: NaN)"""
     if attention_mask is not None:
         padded = attention_mask[:, None, None, :] == 0
         mask = torch.zeros(padded.shape, dtype=dtype, device=padded.device)
         return mask.masked_fill(padded, torch.finfo(dtype).min)
 
 class Stack(nn.Module):
-    """the encoder or the decoder; the first block owns the position bias table, which all blocks use"""
+    """the encoder or the decoder; the first block owns the position bias table, which all use"""
     def __init__(self, config, block, num_layers):
         super().__init__()
         self.blocks = nn.ModuleList([block(config, i == 0) for i in range(num_layers)])
@@ -233,7 +230,8 @@ class Decoder(Stack):
             query_positions = key_positions = torch.arange(x.size(1), device=x.device)
         else:  # decoding: the cache's later positions, not written yet, are the future, masked too
             query_positions = pos
-            key_positions = torch.arange(self.blocks[0].self_attn.kv_cache.k_cache.size(2), device=x.device)
+            cached = self.blocks[0].self_attn.kv_cache.k_cache.size(2)
+            key_positions = torch.arange(cached, device=x.device)
         bias = self.blocks[0].self_attn.position_bias(query_positions, key_positions).to(dtype)
         future = key_positions[None, :] > query_positions[:, None]
         mask = bias.masked_fill(future, torch.finfo(dtype).min)  # (1, nh, T, Tk)
@@ -241,22 +239,6 @@ class Decoder(Stack):
         for i, block in enumerate(self.blocks):
             x = block(x, mask, cross_mask, encoder_out if pos is None else encoder_out[i], pos)
         return self.dropout(self.ln_f(x))
-
-def check_ids(input_ids, attention_mask=None, labels=None, decoder_input_ids=None):
-    """What a caller of forward() or generate() can get wrong, as one line: each tensor 2-D and of
-    integers, the mask shaped as its ids, as many decoder rows as input rows. Not ids < vocab, which
-    would wait for the GPU."""
-    for name, ids in dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                          decoder_input_ids=decoder_input_ids).items():
-        integer_matrix = torch.is_tensor(ids) and ids.dtype in (torch.int64, torch.int32) and ids.dim() == 2
-        if ids is not None and not integer_matrix:
-            what = f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if torch.is_tensor(ids) else type(ids).__name__
-            raise UserError(f"{name} must be a 2-D int64 tensor (batch, length), got a {what}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise UserError(f"attention_mask has shape {tuple(attention_mask.shape)} but its ids have shape "
-                        f"{tuple(input_ids.shape)}")
-    if decoder_input_ids is not None and len(decoder_input_ids) != len(input_ids):
-        raise UserError(f"input_ids hold {len(input_ids)} rows, the decoder's ids {len(decoder_input_ids)}")
 
 class T5(nn.Module):
     def __init__(self, config):
@@ -280,8 +262,8 @@ class T5(nn.Module):
     @torch.no_grad()
     def init_parameter(self, name, p):
         """Mesh-TensorFlow's init: matrices N(0, 1/fan_in), q also taking the 1/sqrt(d_kv) that
-        attention leaves out; embeddings N(0, 1); an untied lm_head t5x's d_model**-0.5, not HF's 1.0
-        (which starts at a loss > 100)."""
+        attention leaves out; embeddings N(0, 1); an untied lm_head t5x's d_model**-0.5, not HF's
+        1.0 (which starts at a loss > 100)."""
         c = self.config
         if p.dim() == 1:  # RMSNorm
             nn.init.ones_(p)
@@ -304,14 +286,13 @@ class T5(nn.Module):
         return torch.get_autocast_dtype(device.type) if autocast else self.shared.weight.dtype
 
     def forward(self, input_ids, decoder_input_ids=None, labels=None, attention_mask=None):
-        """(logits (B, T, vocab), the mean cross-entropy over labels or None). In training the decoder
-        reads the labels shifted right (teacher forcing): position t, which sees only the labels before
-        t, predicts label t:
+        """(logits (B, T, vocab), the mean cross-entropy over labels or None). In training the
+        decoder reads the labels shifted right (teacher forcing): position t, which sees only the
+        labels before t, predicts label t:
             labels             <extra_id_0>  for           inviting  </s>
             decoder_input_ids  <pad>         <extra_id_0>  for       inviting"""
         if decoder_input_ids is None:
             decoder_input_ids = self.shift_right(labels)
-        check_ids(input_ids, attention_mask, labels, decoder_input_ids)
         dtype = self.compute_dtype(input_ids.device)
         encoder_out = self.encoder(self.shared(input_ids), attention_mask, dtype)
         cross_mask = padding_mask(attention_mask, dtype)
@@ -325,38 +306,37 @@ class T5(nn.Module):
 
     def shift_right(self, labels):
         """the decoder start token, then the labels but their last; -100 (ignored labels) as pad"""
-        if labels is None:
-            raise UserError("T5.forward needs decoder_input_ids or labels (to shift right into decoder inputs)")
         shifted = F.pad(labels[..., :-1], (1, 0), value=self.config.decoder_start_token_id)
         return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
 
     def decode_step(self, token, pos, encoder_kv, cross_mask):
-        """the logits (B, vocab) after token (B, 1) at position pos (1,), the steps before in kv_cache"""
+        """the logits (B, vocab) after token (B, 1) at position pos (1,); earlier ones in kv_cache"""
         dtype = self.compute_dtype(token.device)
         x = self.decoder(self.shared(token), encoder_kv, cross_mask, dtype, pos)
         return self.lm_head(x[:, -1] * self.config.output_scaling).float()
 
     @torch.no_grad()  # not inference_mode, under which autocast re-casts every weight at every step
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0, top_k=None,
-                 compile=False, all_done=None):
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0,
+                 top_k=None, compile=False, all_done=None):
         """Up to max_new_tokens ids per row, no start token, pad after EOS: greedy at temperature 0,
         else sampled from the top_k likeliest. The encoder and cross-attention's k, v run once;
         compile=True compiles decode_step. all_done (FSDP's, where every rank must run each block as
         often): whether a 0-d bool tensor, here "my rows are finished", is true on every rank."""
-        check_ids(input_ids, attention_mask)
         c = self.config
         B = input_ids.size(0)
         device = input_ids.device
         dtype = self.compute_dtype(device)
         out = torch.full((B, max_new_tokens), c.pad_token_id, dtype=torch.long, device=device)
         step = torch.compile(self.decode_step, fullgraph=True) if compile else self.decode_step
-        encoder_kv = self.decoder.encoder_kv(self.encoder(self.shared(input_ids), attention_mask, dtype))
+        encoder_out = self.encoder(self.shared(input_ids), attention_mask, dtype)
+        encoder_kv = self.decoder.encoder_kv(encoder_out)
         cross_mask = padding_mask(attention_mask, dtype)
+        cache_shape = (B, c.num_heads, max_new_tokens, c.d_kv)
         for block in self.decoder.blocks:
-            block.self_attn.kv_cache = KVCache((B, c.num_heads, max_new_tokens, c.d_kv), dtype, device)
+            block.self_attn.kv_cache = KVCache(cache_shape, dtype, device)
         token = torch.full((B, 1), c.decoder_start_token_id, dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
-        pos = torch.zeros(1, dtype=torch.long, device=device)  # a tensor: one compiled graph for all
+        pos = torch.zeros(1, dtype=torch.long, device=device)  # a tensor: one graph for all steps
         for i in range(max_new_tokens):
             logits = step(token, pos, encoder_kv, cross_mask)
             if temperature == 0.0:

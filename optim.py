@@ -5,15 +5,14 @@ schedules.
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
-from files import UserError
+from runtime import local, rms, summed, zeros_like_mean  # FSDP's slices: this rank's, and whole
 
 class AdamWScale(torch.optim.Optimizer):
     """
-    nanoT5's AdamW: each tensor's Adam step is scaled by the tensor's RMS, like Adafactor's parameter
-    scaling, so that one lr (2e-2) moves every weight by a similar fraction of its own size. Per
-    tensor p with gradient g, after t steps:
+    nanoT5's AdamW: each tensor's Adam step is scaled by the tensor's RMS, like Adafactor's
+    parameter scaling, so that one lr (2e-2) moves every weight by a similar fraction of its own
+    size. Per tensor p with gradient g, after t steps:
         (1) m = b1*m + (1-b1)*g
         (2) v = b2*v + (1-b2)*g^2
         (3) step_size = lr * sqrt(1-b2^t)/(1-b1^t) * max(1e-3, RMS(p))  # RMS(p) before this update
@@ -49,14 +48,15 @@ class AdamWScale(torch.optim.Optimizer):
                     state.update(step=torch.zeros((), dtype=torch.float64, device=local(p).device),
                                  exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
-                self.update(local(p).view(-1), local(p.grad).view(-1), m.view(-1), v.view(-1), state["step"],
-                            p_rms, group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+                self.update(local(p).view(-1), local(p.grad).view(-1), m.view(-1), v.view(-1),
+                            state["step"], p_rms, group["lr"], *group["betas"], group["eps"],
+                            group["weight_decay"])
 
     @staticmethod
     @torch.no_grad()
     def update(p, g, m, v, t, p_rms, lr, beta1, beta2, eps, weight_decay):
-        """One tensor's step, flattened: the lines above. make_optimizer(compile=True) compiles it, one
-        graph for tensors of every size."""
+        """One tensor's step, flattened: the lines above. make_optimizer(compile=True) compiles it,
+        one graph for tensors of every size."""
         t += 1
         m.lerp_(g, 1 - beta1)  # (1): m + (1-b1)*(g - m)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # (2)
@@ -79,15 +79,16 @@ class Adafactor(torch.optim.Optimizer):
         u = u / max(1, RMS(u) / clip_threshold)
         p -= lr * max(eps2, RMS(p)) * (u + weight_decay * p)      # RMS(p) before this update
     (torch.optim.Adafactor differs: it caps the step at 1/sqrt(t), clamps V, scales decay by lr.)
-    Under FSDP each rank holds some rows of p (FSDP shards dim 0; T5's tensors have 1 or 2 dims) and
-    works on them: C, mean(R) and the two RMS sum over the ranks, each for all tensors in one
+    Under FSDP each rank holds some rows of p (FSDP shards dim 0; T5's tensors have 1 or 2 dims)
+    and works on them: C, mean(R) and the two RMS sum over the ranks, each for all tensors in one
     all-reduce.
     """
 
-    def __init__(self, params, lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.0):
+    def __init__(self, params, lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8,
+                 weight_decay=0.0):
         lr = torch.tensor(lr, dtype=torch.float64)
-        super().__init__(params, dict(lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate,
-                                      weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, eps=eps, clip_threshold=clip_threshold,
+                                      decay_rate=decay_rate, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
@@ -139,48 +140,13 @@ class Adafactor(torch.optim.Optimizer):
                     local(p).mul_(1 - group["weight_decay"] * step_size)
                 local(p).sub_(update.mul_(step_size))
 
-# what the optimizers need for FSDP's DTensors
-
-def local(t):
-    """this rank's slice of a DTensor (an FSDP shard), a plain tensor sharing its memory; else t"""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-def rms(tensors, of=None):
-    """each tensor's root mean square, as 0-d tensors; of FSDP's DTensors, the whole tensor's: the
-    squares of each rank's slices, summed over the ranks (summed). of: the tensors whose slices
-    `tensors` are, if not themselves (Adafactor's updates)"""
-    of = of or tensors
-    norms = [local(t).norm() for t in tensors]
-    if of and isinstance(of[0], DTensor):
-        norms = [square.sqrt() for square in summed([norm.square() for norm in norms], of)]
-    return [norm / math.sqrt(t.numel()) for norm, t in zip(norms, of)]
-
-def summed(values, of):
-    """values, each worked out from this rank's slices of the tensors `of`, summed over the ranks
-    that shard them (under HSDP, a node's), in one all-reduce for all; unchanged in one process"""
-    if not values or not isinstance(of[0], DTensor):
-        return values
-    flat = torch.cat([value.reshape(-1) for value in values])
-    mesh = of[0].device_mesh
-    torch.distributed.all_reduce(flat, group=mesh.get_group(mesh.ndim - 1))  # the last: shards
-    parts = flat.split([value.numel() for value in values])
-    return [part.view_as(value) for part, value in zip(parts, values)]
-
-def zeros_like_mean(t, dim):
-    """zeros shaped like t.mean(dim); of a DTensor, laid out as that mean summed over the ranks (row means stay
-    sliced, column means are whole on every rank)"""
-    mean = t.mean(dim=dim)
-    if isinstance(mean, DTensor):
-        mean = mean.redistribute(placements=[Replicate() if p.is_partial() else p for p in mean.placements])
-    return torch.zeros_like(mean)
-
 def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min_lr):
     """
     The learning rate of optimizer step number `step` of max_steps (1 is the first; under a time
     budget, fractional: the share of the budget spent, in steps).
-    cosine: linear warmup from warmup_start_factor*lr to lr, then half a cosine to min_lr at max_steps.
-    inverse_sqrt: nanoT5's "legacy" T5 schedule, min(lr, 1/sqrt(step)), then linear from 90% of the run
-        down to 0 (with T5's lr of 1e-2, flat for 10,000 steps: its warmup).
+    cosine: linear warmup from warmup_start_factor*lr to lr, then half a cosine down to min_lr.
+    inverse_sqrt: nanoT5's "legacy" T5 schedule, min(lr, 1/sqrt(step)), then linear from 90% of the
+        run down to 0 (with T5's lr of 1e-2, flat for 10,000 steps: its warmup).
     constant: lr throughout.
     """
     if schedule == "constant":
@@ -203,20 +169,16 @@ def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min
 LR_SCHEDULES = ("cosine", "inverse_sqrt", "constant")
 
 def param_groups(model, weight_decay, no_decay=("ln_",)):
-    """Two param groups: weight decay, and none for names holding one of no_decay (the RMSNorm scales, which
-    decay would pull towards 0 rather than regularise)."""
+    """Two param groups: weight decay, and none for names holding one of no_decay (the RMSNorm
+    scales, which decay would pull towards 0 rather than regularise)."""
     decayed, not_decayed = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (not_decayed if any(s in name for s in no_decay) else decayed).append(p)
-    return [{"params": decayed, "weight_decay": weight_decay}, {"params": not_decayed, "weight_decay": 0.0}]
+    return [{"params": decayed, "weight_decay": weight_decay},
+            {"params": not_decayed, "weight_decay": 0.0}]
 
 OPTIMIZERS = ("adamwscale", "adafactor", "adamw")
-
-def check_optimizer(name):
-    """configurator.py's rule for `optimizer`"""
-    if name not in OPTIMIZERS:
-        raise UserError(f"unknown optimizer '{name}': use one of {', '.join(OPTIMIZERS)}")
 
 def make_optimizer(name, groups, lr, compile=False):
     """One of OPTIMIZERS by name, each group's weight_decay from param_groups; lr a tensor, which
@@ -224,8 +186,8 @@ def make_optimizer(name, groups, lr, compile=False):
     if name == "adafactor":
         return Adafactor(groups, lr=lr)
     if name == "adamw":  # eps 1e-6 is HF AdamW's, which nanoT5 ran
-        device_type = next(p for g in groups for p in g["params"]).device.type
-        return torch.optim.AdamW(groups, lr=torch.tensor(lr), eps=1e-6, fused=device_type in ("cuda", "cpu"))
+        fused = next(p for g in groups for p in g["params"]).device.type in ("cuda", "cpu")
+        return torch.optim.AdamW(groups, lr=torch.tensor(lr), eps=1e-6, fused=fused)
     optimizer = AdamWScale(groups, lr=lr)
     if compile:  # one graph for every tensor, of whatever size
         optimizer.update = torch.compile(optimizer.update, dynamic=True)

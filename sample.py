@@ -7,34 +7,31 @@ init_from: a run of train.py or finetune.py (its out_dir, ckpt.pt or ckpt/), rea
 tokenizer, or Hugging Face weights (a Hub name, or a folder such as export.py writes), read with the
 spiece.model beside them or else T5's. The model's fills are shown [in brackets] at the sentinels.
 """
-import errors  # first: from here on an error, or Ctrl-C, is one line, not a traceback
 import os
 import re
 
 import torch
 
-from checkpoint import find_weights, load_model
+from checkpoint import load_model
 from data import SpanCorruptionBatches
-from files import UserError
 from prepare import NUM_SENTINELS, load_tokenizer
-from runtime import check_device, print0, setup_runtime
+from runtime import check_config, print0, setup_runtime
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")  # where the model fills in
 
 def check_text(text):
-    """configurator.py's rule for text: gaps marked <extra_id_0> to <extra_id_99>, each once"""
+    """the gaps of --text: marked <extra_id_0> to <extra_id_99>, each once"""
     numbers = [int(number) for number in SENTINEL.findall(text)]
     if text and not numbers:
-        raise UserError("--text has no sentinel to fill in: mark gaps with <extra_id_0>, <extra_id_1>, ...")
+        raise SystemExit("error: --text has no sentinel to fill in: mark gaps with <extra_id_0>, "
+                         "<extra_id_1>, ...")
     if numbers and max(numbers) >= NUM_SENTINELS:
-        raise UserError(f"--text has <extra_id_{max(numbers)}>, but a T5 knows only <extra_id_0> to "
-                        f"<extra_id_{NUM_SENTINELS - 1}>")
-    twice = [number for number in numbers if numbers.count(number) > 1]
-    if twice:
-        raise UserError(f"--text has <extra_id_{twice[0]}> twice: give each gap its own sentinel")
+        raise SystemExit(f"error: --text has <extra_id_{max(numbers)}>, but a T5 knows only "
+                         f"<extra_id_0> to <extra_id_{NUM_SENTINELS - 1}>")
+    if len(set(numbers)) < len(numbers):
+        raise SystemExit("error: --text has a sentinel twice: give each gap its own")
 
 # -------------------------------------------------------------------------------------------------
-valid = {}
 init_from = "out/t5_tiny"
 text = ""  # with gaps <extra_id_0>, <extra_id_1>, ...; '' -> held-out windows of the run
 num_samples = 3  # held-out windows to show when there is no text
@@ -43,13 +40,10 @@ temperature = 0.0  # 0: greedy (as evaluations show); above 0: sampled from the 
 top_k = 0  # 0: all
 device = "auto"
 seed = 1337
-valid.update(init_from=find_weights, text=check_text, num_samples="> 0",
-             max_new_tokens="in [1, 1024]", temperature=">= 0", top_k=">= 0", device=check_device,
-             seed=">= 0")
 # -------------------------------------------------------------------------------------------------
 
 def encode(tok, text):
-    """the ids of text, each <extra_id_i> as its sentinel, ending with EOS as the model's inputs do"""
+    """the ids of text, each <extra_id_i> as its sentinel, ending with EOS as a model's inputs do"""
     ids = []
     for i, part in enumerate(SENTINEL.split(text)):
         ids += tok.encode(part) if i % 2 == 0 else [tok.first_sentinel_id - int(part)]
@@ -69,23 +63,29 @@ def fill_in(tok, text, fill):
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    check_text(text)
+    check_config(config, [("num_samples", num_samples > 0, "> 0"), ("top_k", top_k >= 0, ">= 0"),
+                          ("max_new_tokens", 0 < max_new_tokens <= 1024, "in [1, 1024]"),
+                          ("temperature", temperature >= 0, ">= 0")])
     rt = setup_runtime(device, "float32", seed)
     model, ckpt = load_model(init_from)
     model.to(rt.device).eval()
-    meta = ckpt["meta"] if ckpt is not None else None
+    meta = ckpt["meta"]  # a run's data, whose tokenizer it reads; None: Hugging Face weights
     if not text and meta is None:
-        raise UserError(f"{init_from} brings no data of its own to fill in: pass --text=\"...<extra_id_0>...\"")
+        raise SystemExit(f"error: {init_from} brings no data of its own to fill in: pass "
+                         f"--text=\"...<extra_id_0>...\"")
     tok = load_tokenizer(meta, init_from, model.config.vocab_size)
     if text:
         inputs, truths = torch.tensor([encode(tok, text)]), [None]
     else:  # the first held-out windows of the run's data, noised as its evaluations are
         run = ckpt["config"]
         noise = (run.get("noise_density", 0.15), run.get("mean_noise_span_length", 3.0))
-        val = SpanCorruptionBatches(meta["data_dir"], "val", num_samples, run.get("input_length", 128),
-                                    *noise, seed, model.config.vocab_size)
+        val = SpanCorruptionBatches(meta["data_dir"], "val", num_samples,
+                                    run.get("input_length", 128), *noise, seed, model.config.vocab_size)
         if num_samples > val.num_windows:
-            raise UserError(f"--num_samples={num_samples}, but {meta['data_dir']}/val.bin holds "
-                            f"{val.num_windows} windows for this run: ask for at most {val.num_windows}")
+            raise SystemExit(f"error: --num_samples={num_samples}, but {meta['data_dir']}/val.bin "
+                             f"holds {val.num_windows} windows for this run: ask for at most "
+                             f"{val.num_windows}")
         inputs, truths = val.get(0)
     for first in range(0, len(inputs), 16):  # 16 at a time: memory stays bounded, output comes
         rows = slice(first, first + 16)

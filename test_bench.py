@@ -7,6 +7,8 @@ import bench
 from data import compute_input_and_target_lengths
 from runtime import flops_per_step, setup_runtime
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
+
 # t5-tiny, 4 examples of 32 input tokens; a small vocab keeps the embedding and lm_head, and so each step, small
 TINY = ("t5-tiny", 256, 4, 1, 32)  # model, vocab, batch, grad_accum_steps, input_length
 TARGETS = compute_input_and_target_lengths(32, 0.15, 3.0)[1]
@@ -172,3 +174,12 @@ def test_the_warm_up_compiles_the_optimizer_update_both_sides_share(monkeypatch)
     for p in t5.parameters():
         p.grad = torch.ones_like(p)
     make_optimizer("adamwscale", param_groups(t5, 0.0), 1e-3, compile=True).step()
+
+
+@pytest.mark.parametrize("args, sides", [(["--compare=hf"], ["ours", "transformers"]),
+                                         (["--part=optim"], ["AdamWScale", "AdamW(foreach=True)"])])
+def test_compare_times_each_side_then_the_ratio(args, sides):
+    r = run_bench(*args, "--compile=False", "--dtype=float32", "--batch_size=2", "--burn_in=0")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and [line.split(":")[0].strip() for line in lines[-3:-1]] == sides, r.stdout + r.stderr
+    assert lines[-1].startswith(f"{sides[0]} / {sides[1]}: ") and "x the throughput" in lines[-1]

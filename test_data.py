@@ -10,8 +10,9 @@ import torch
 
 import data as D
 import prepare as P
-from model import UserError
 from test_prepare import SHARD_TOKENS, batches, copy_of, corpus, data_dir, folder_bytes  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
 
 def span_corrupt_per_example(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rng):
@@ -165,7 +166,7 @@ def test_stream_ranks_and_grad_accum_slice_the_same_global_batch(data_dir):
     for accum, world in ((1, 2), (2, 1), (2, 2), (4, 2)):
         parts = [batches(data_dir).get(3, m, accum, r, world) for m in range(accum) for r in range(world)]
         assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
-    with pytest.raises(UserError, match="split evenly"):
+    with pytest.raises(SystemExit, match="split evenly"):
         stream.get(3, 0, 3, 0, 1)
 
 
@@ -239,11 +240,11 @@ def test_val_stream_is_fixed(data_dir):
 
 
 def test_stream_bad_input(data_dir, tmp_path):
-    with pytest.raises(UserError, match="no prepared data.*python prepare.py"):
+    with pytest.raises(SystemExit, match="no prepared data.*python prepare.py"):
         batches(str(tmp_path / "nowhere"))
-    with pytest.raises(UserError, match="model vocab of 256.*vocab_size is 32128"):
+    with pytest.raises(SystemExit, match="model vocab of 256.*vocab_size is 32128"):
         D.SpanCorruptionBatches(data_dir, "train", 8, 64, 0.15, 3.0, 0, 32128)
-    with pytest.raises(UserError, match="fewer than"):
+    with pytest.raises(SystemExit, match="fewer than"):
         batches(data_dir, "val", input_length=100_000)
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -251,7 +252,7 @@ def test_stream_bad_input(data_dir, tmp_path):
         (bad / name).write_bytes(content)
     np.full(SHARD_TOKENS, 600, dtype=np.uint16).tofile(bad / "train_000.bin")
     np.full(SHARD_TOKENS, 600, dtype=np.uint16).tofile(bad / "train_001.bin")
-    with pytest.raises(UserError, match="train_00[01].bin holds token id 600"):
+    with pytest.raises(SystemExit, match="train_00[01].bin holds token id 600"):
         for step in range(20):
             batches(str(bad)).get(step)
 
@@ -259,10 +260,10 @@ def test_stream_bad_input(data_dir, tmp_path):
 def test_start_up_reads_no_shard_whole(data_dir, tmp_path):
     big = copy_of(data_dir, tmp_path / "big")
     with open(os.path.join(big, "train_000.bin"), "r+b") as f:
-        f.truncate(3 << 30)  # a sparse 3 GB shard: its holes read as token id 0
+        f.truncate(1 << 30)  # a sparse 1 GB shard: its holes read as token id 0
     with open(os.path.join(big, "meta.json")) as f:
         meta = json.load(f)
-    meta["shards"][0]["tokens"] = (3 << 30) // 2
+    meta["shards"][0]["tokens"] = (1 << 30) // 2
     with open(os.path.join(big, "meta.json"), "w") as f:
         json.dump(meta, f)
 
@@ -274,7 +275,7 @@ def test_start_up_reads_no_shard_whole(data_dir, tmp_path):
     small = resident_kb() - before
     streams.append(batches(big))
     large = resident_kb() - before - small
-    assert large <= small + 1024, (small, large)  # KB: reading the shard whole would add its 3 GB
+    assert large <= small + 1024, (small, large)  # KB: reading the shard whole would add its 1 GB
     assert batches(big).get(0)[0].shape == (8, 64)
 
 

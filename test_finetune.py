@@ -16,9 +16,11 @@ import torch
 
 from finetune import (build_prompt, collate, compute_metrics, exact_match, generate_predictions, load_split, rouge_l,
                       tokenize_example)
-from model import T5, T5Config, UserError
-from checkpoint import run_state, save_checkpoint, save_pretrained
+from model import T5, T5Config
+from checkpoint import save_checkpoint, save_pretrained
 from prepare import prepare
+
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 WORDS = "red green blue cat dog bird tree river stone house road light water fire wind rain".split()
@@ -47,7 +49,7 @@ def make_task(definition, transform, num_instances, rng, extra_reference=False):
 
 @pytest.fixture(scope="module")
 def sni_dir(tmp_path_factory):
-    """Two good train tasks (list and plain-string Definition), one broken train task, one test task."""
+    """Two train tasks (list and plain-string Definition), one test task."""
     root = tmp_path_factory.mktemp("natural-instructions")
     (root / "tasks").mkdir()
     (root / "splits" / "default").mkdir(parents=True)
@@ -61,10 +63,7 @@ def sni_dir(tmp_path_factory):
         del instance["id"]  # older task files have no instance ids
     for name, task in tasks.items():
         (root / "tasks" / f"{name}.json").write_text(json.dumps(task, indent=4))
-    broken = make_task(["Lost its instances."], " ".join, 3, rng)
-    del broken["Instances"]
-    (root / "tasks" / "task003_broken.json").write_text(json.dumps(broken))
-    (root / "splits" / "default" / "train_tasks.txt").write_text("task001_copy\ntask003_broken\ntask002_reverse\n")
+    (root / "splits" / "default" / "train_tasks.txt").write_text("task001_copy\ntask002_reverse\n")
     (root / "splits" / "default" / "test_tasks.txt").write_text("task101_first_word\n")
     return str(root)
 
@@ -87,9 +86,8 @@ def ckpt_path(tmp_path_factory):
     model = T5(config)
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters())
-    path = str(root / "ckpt.pt")
-    save_checkpoint(path, run_state(model, optimizer, 0, 0.0, {}, meta))
-    return path
+    save_checkpoint(str(root), model, optimizer, 0, 0.0, {}, meta)
+    return str(root / "ckpt.pt")
 
 
 def test_prompt_is_tk_instructs_to_the_byte():
@@ -103,9 +101,8 @@ def test_prompt_is_tk_instructs_to_the_byte():
         "Definition: Say it.\n\nNow complete the following example -\nInput: .\nOutput: ")
 
 
-def test_split_parsing(sni_dir, capsys):
+def test_split_parsing(sni_dir):
     train = load_split(sni_dir, "train", 10, seed=0)
-    assert "skipped 1 of 3 train task files" in capsys.readouterr().out
     by_task = {name: [ex for ex in train if ex["task"] == name] for name in ("task001_copy", "task002_reverse")}
     assert [len(exs) for exs in by_task.values()] == [10, 10] and len(train) == 20
     # Definition as a list (current task files) and as a plain string (older ones)
@@ -125,28 +122,8 @@ def test_split_parsing(sni_dir, capsys):
     assert len(load_split(sni_dir, "test", 100, seed=0)) == 12
 
 
-def test_a_task_without_instances_or_with_a_malformed_one_is_named_for_it(tmp_path, capsys):
-    rng = random.Random(0)
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "splits" / "default").mkdir(parents=True)
-    good, empty, malformed = (make_task(["Copy."], " ".join, 4, rng) for _ in range(3))
-    empty["Instances"] = []
-    del malformed["Instances"][2]["output"]
-    for name, task in (("task1_good", good), ("task2_empty", empty), ("task3_malformed", malformed)):
-        (tmp_path / "tasks" / f"{name}.json").write_text(json.dumps(task))
-    (tmp_path / "splits" / "default" / "train_tasks.txt").write_text("task1_good\ntask2_empty\ntask3_malformed\n")
-    (tmp_path / "splits" / "default" / "test_tasks.txt").write_text("task2_empty\ntask3_malformed\n")
-    assert len(load_split(str(tmp_path), "train", 10, seed=0)) == 4
-    assert ("skipped 2 of 3 train task files: task2_empty (it has no instances); task3_malformed (instance 2 is not "
-            "an 'input' text with a list of 'output' texts)") in capsys.readouterr().out
-    with pytest.raises(UserError, match="no usable task in .*test_tasks.txt: task2_empty \\(it has no instances\\); "
-                                        "task3_malformed \\(instance 2") as e:
-        load_split(str(tmp_path), "test", 10, seed=0)
-    assert "clone" not in str(e.value)
-
-
 def test_missing_data_dir_names_the_clone_command(tmp_path):
-    with pytest.raises(UserError, match="git clone https://github.com/allenai/natural-instructions"):
+    with pytest.raises(SystemExit, match="git clone https://github.com/allenai/natural-instructions"):
         load_split(str(tmp_path / "natural-instructions"), "train", 100, seed=0)
 
 
@@ -217,7 +194,6 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
     r = run([*common, f"--init_from={ckpt_path}", f"--out_dir={out}", "--batch_size=4", "--epochs=1", "--lr=1e-3",
              "--log_interval=1"])
     assert r.returncode == 0, r.stderr
-    assert "skipped 1 of 3 train task files" in r.stdout
     with open(os.path.join(out, "log.jsonl")) as f:
         losses = [rec["loss"] for rec in map(json.loads, f) if "loss" in rec]
     assert len(losses) == 5  # 20 train examples / batch 4, one epoch
@@ -264,22 +240,12 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
         assert [json.loads(line) for line in f] == records
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--data_dir=/nonexistent/natural-instructions"], "git clone https://github.com/allenai/natural-instructions"),
-    (["--init_from=/nonexistent/ckpt.pt"], "no checkpoint at /nonexistent/ckpt.pt"),
-])
-def test_bad_input_is_one_line(sni_dir, ckpt_path, args, message, tmp_path):
-    r = run([f"--data_dir={sni_dir}", f"--init_from={ckpt_path}", "--device=cpu", f"--out_dir={tmp_path}/out", *args])
-    assert r.returncode == 1, r.stderr
-    assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
-
-
 def test_ids_past_the_model_vocab_are_caught_at_loading(sni_dir, ckpt_path, tmp_path):
     ckpt = torch.load(ckpt_path, weights_only=False)
     small = T5(T5Config(**{**ckpt["model_config"], "vocab_size": 8}))
     ckpt["model"], ckpt["model_config"]["vocab_size"] = small.state_dict(), 8
     path = str(tmp_path / "small.pt")
-    save_checkpoint(path, ckpt)
+    torch.save(ckpt, path)
     r = run([f"--data_dir={sni_dir}", f"--init_from={path}", "--device=cpu", f"--out_dir={tmp_path}"])
     assert r.returncode == 1 and "vocab_size 8" in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -1,4 +1,4 @@
-"""Tests for model.py: parity with Hugging Face's T5 both ways, generation, buckets, presets, init, errors.
+"""Tests for model.py: parity with Hugging Face's T5 both ways, generation, buckets, presets, init.
 Run: python -m pytest -q test_model.py (CPU, no network)."""
 
 import json
@@ -10,9 +10,15 @@ import torch
 import torch.nn as nn
 import transformers
 
-from checkpoint import from_pretrained, hf_names, save_pretrained
-from model import PRESETS, T5, KVCache, T5Config, UserError, relative_position_bucket
+from checkpoint import hf_names, load_model, save_pretrained
+from model import PRESETS, T5, KVCache, T5Config, relative_position_bucket
 from runtime import apply_activation_checkpointing
+
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
+
+def from_pretrained(name_or_dir, **overrides):  # transformers' from_pretrained, here
+    return load_model(name_or_dir, **overrides)[0]
+
 
 # small, but with everything that can go wrong: encoder/decoder depths differ, heads * d_kv != d_model,
 # and the tests use sequences longer than relative_attention_max_distance so the log buckets are exercised
@@ -207,12 +213,10 @@ def test_base_param_count():
     assert model.num_params() == 247_577_856
 
 
-def test_presets_and_unknown_preset():
+def test_presets():
     assert set(PRESETS) >= {"t5-v1_1-small", "t5-v1_1-base", "t5-v1_1-large", "t5-v1_1-xl", "t5-v1_1-xxl", "t5-tiny"}
     small = T5Config.from_preset("t5-v1_1-small", vocab_size=1000)
     assert (small.d_model, small.d_ff, small.num_heads * small.d_kv, small.vocab_size) == (512, 1024, 384, 1000)
-    with pytest.raises(UserError, match="t5-v1_1-small"):
-        T5Config.from_preset("t5-v1_1-smal")
 
 
 def test_fresh_base_init_loss_near_ln_vocab():
@@ -252,29 +256,14 @@ def test_bf16_autocast_close_to_fp32():
     assert generated.shape == (3, 5)
 
 
-# ---- errors ----
-
-def test_bad_inputs_are_clear_errors():
-    model = T5(T5Config(**SMALL))
-    ids = torch.randint(2, 300, (2, 10))
-    with pytest.raises(UserError, match="input_ids must be a 2-D int64"):
-        model(ids.float(), labels=ids)
-    with pytest.raises(UserError, match="input_ids must be a 2-D int64"):
-        model(ids[0], labels=ids)
-    with pytest.raises(UserError, match="attention_mask has shape"):
-        model(ids, labels=ids, attention_mask=torch.ones(2, 9, dtype=torch.long))
-    with pytest.raises(UserError, match="decoder_input_ids or labels"):
-        model(ids)
-    with pytest.raises(UserError, match="input_ids hold 2 rows, the decoder's ids 1"):
-        model(ids, labels=ids[:1])
-
+# ---- Hugging Face folders that are not ours to read ----
 
 def test_unsupported_activation(tmp_path):
     hf_config().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["feed_forward_proj"] = "relu"
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="unsupported"):
+    with pytest.raises(SystemExit, match="is not a gated-GELU T5"):
         from_pretrained(str(tmp_path))
 
 
@@ -284,21 +273,17 @@ def test_hub_id_fails_fast_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     start = time.time()
-    with pytest.raises(UserError, match="local folder"):
+    with pytest.raises(SystemExit, match="no-such-model holds no run or weights, here or on the Hugging Face Hub"):
         from_pretrained("nanot5-test/no-such-model")
     assert time.time() - start < 10
-    with pytest.raises(UserError, match="not a folder"):
+    with pytest.raises(SystemExit, match="holds no run or weights"):
         from_pretrained("./no/such/folder")
 
 
-def test_corrupt_weights(tmp_path):
+def test_a_folder_without_weights(tmp_path):
     save_pretrained(T5(T5Config(**SMALL)), tmp_path)
-    weights = tmp_path / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(UserError, match="corrupt"):
-        from_pretrained(str(tmp_path))
-    os.remove(weights)
-    with pytest.raises(UserError, match="no model.safetensors"):
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(SystemExit, match="no model.safetensors"):
         from_pretrained(str(tmp_path))
 
 

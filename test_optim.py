@@ -1,15 +1,13 @@
 import io
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-from model import UserError
-from optim import AdamWScale, Adafactor, check_optimizer, get_lr, make_optimizer, param_groups
+from optim import AdamWScale, Adafactor, get_lr, make_optimizer, param_groups
+
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
 
 def adamwscale_by_hand(p, grads, lr, weight_decay, b1=0.9, b2=0.999, eps=1e-6):
@@ -149,17 +147,8 @@ def test_inverse_sqrt_schedule_matches_nanot5():
     assert lr_at(65536) == 0.0
 
 
-def refused(*args):
-    """the one-line error of train.py's configurator, where schedule and optimizer names are checked"""
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    return r.stderr
-
-
-def test_constant_and_unknown_schedules():
+def test_constant_schedule():
     assert get_lr(123.5, 1000, "constant", 3e-4, 100, 0.5, 1e-5) == 3e-4
-    assert "'cosine', 'inverse_sqrt', 'constant'" in refused("--lr_schedule=linear")
 
 
 def test_param_groups_spare_norm_weights():
@@ -181,8 +170,6 @@ def test_make_optimizer():
     assert isinstance(make_optimizer("adamwscale", groups, 1e-2), AdamWScale)
     assert isinstance(make_optimizer("adafactor", groups, 1e-2), Adafactor)
     assert isinstance(make_optimizer("adamw", groups, 1e-3), torch.optim.AdamW)
-    with pytest.raises(UserError, match="adamwscale, adafactor, adamw"):
-        check_optimizer("sgd")  # train.py's and finetune.py's rule, where the name enters
 
 
 def test_compiled_step_is_exact_and_never_compiles_again(monkeypatch):

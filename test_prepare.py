@@ -1,19 +1,18 @@
-"""Tests for prepare.py: prepare (end to end, resume, bad input), reading a prepared folder back, and damaged folders.
-CPU only, no network: the data is a synthetic C4-style JSONL file and a sentencepiece model trained on it."""
+"""Tests for prepare.py: prepare (end to end, resume, bad input) and reading a prepared folder back. CPU only, no
+network: the data is a synthetic C4-style JSONL file and a sentencepiece model trained on it."""
 import functools
 import glob
 import gzip
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import data as D
 import prepare as P
-from model import UserError
+
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARD_TOKENS = 3000
@@ -74,7 +73,7 @@ def test_prepare_end_to_end(corpus, data_dir):
     assert meta["train_documents"] == 380 and meta["val_documents"] == 20 and meta["source"] == corpus
 
     # the shards are exactly every train document's ids followed by EOS, in order; val holds every 20th document
-    tok = P.load_tokenizer(data_dir)
+    tok = P.load_tokenizer(P.load_meta(data_dir))
     texts = [json.loads(line)["text"] for line in open(corpus)]
     expected = [i for t in texts for i in tok.encode(t) + [1] if texts.index(t) % 20]
     stream = np.concatenate([np.fromfile(os.path.join(data_dir, f), dtype=np.uint16) for f in shards])
@@ -99,22 +98,22 @@ def test_prepare_max_train_tokens(corpus, tmp_path):
 
 def test_prepare_resumes_after_interrupt(corpus, data_dir, tmp_path, monkeypatch):
     # small chunks so that the run is interrupted between chunks, with a shard half written
-    chunks, calls = P._chunks, []
+    encoded_chunks, calls = P.encoded_chunks, []
 
-    def interrupted_chunks(docs):
-        for chunk in chunks(docs, chunk_chars=2000):
+    def interrupted_chunks(docs, tok, num_threads):
+        for chunk in encoded_chunks(docs, tok, num_threads, chunk_docs=10):
             calls.append(1)
             if len(calls) == 12:
                 raise KeyboardInterrupt
             yield chunk
 
-    monkeypatch.setattr(P, "_chunks", interrupted_chunks)
+    monkeypatch.setattr(P, "encoded_chunks", interrupted_chunks)
     with pytest.raises(KeyboardInterrupt):
         P.prepare(corpus, **prepare_args(tmp_path))
     files = os.listdir(tmp_path)
     progress = json.load(open(tmp_path / "meta.json"))  # the folder's one state file: not complete, and not taken
     assert not progress["complete"] and not [f for f in files if f.endswith(".tmp")]
-    with pytest.raises(UserError, match="not completely prepared"):
+    with pytest.raises(SystemExit, match="not completely prepared"):
         P.load_meta(str(tmp_path))
     assert 1 <= len(progress["shards"]) < len(P.load_meta(data_dir)["train_shards"])
     assert any(s["next_offset"] > 0 for s in progress["shards"])  # a document straddles a shard boundary
@@ -122,30 +121,27 @@ def test_prepare_resumes_after_interrupt(corpus, data_dir, tmp_path, monkeypatch
         if f.startswith("train_"):
             assert os.path.getsize(tmp_path / f) == 2 * SHARD_TOKENS
 
-    monkeypatch.setattr(P, "_chunks", functools.partial(chunks, chunk_chars=2000))
+    monkeypatch.setattr(P, "encoded_chunks", functools.partial(encoded_chunks, chunk_docs=10))
     P.prepare(corpus, **prepare_args(tmp_path))
     assert folder_bytes(tmp_path) == folder_bytes(data_dir)
 
 
 def test_prepare_bad_input(tmp_path, corpus):
     out = tmp_path / "out"
-    with pytest.raises(UserError, match="not found"):
+    with pytest.raises(SystemExit, match="not found"):
         P.prepare(str(tmp_path / "missing.jsonl"), **prepare_args(out))
-    (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(UserError, match="no training documents"):
+    (tmp_path / "empty.jsonl").write_text('{"text": " "}\n' * 3)  # records, but no text
+    with pytest.raises(SystemExit, match="no training documents"):
         P.prepare(str(tmp_path / "empty.jsonl"), **prepare_args(out))
     (tmp_path / "other.jsonl").write_text('{"content": "hello"}\n')
-    with pytest.raises(UserError, match="no 'text' field.*content"):
+    with pytest.raises(SystemExit, match="no 'text' field.*content"):
         P.prepare(str(tmp_path / "other.jsonl"), **prepare_args(out))
-    (tmp_path / "number.jsonl").write_text('{"text": 5}\n')
-    with pytest.raises(UserError, match="not JSON Lines with a string 'text' field.*changed from string to number"):
-        P.prepare(str(tmp_path / "number.jsonl"), **prepare_args(out))
     assert not out.exists()
-    with pytest.raises(UserError, match="Vocabulary size too high.*--vocab_size"):
+    with pytest.raises(SystemExit, match="Vocabulary size too high.*--vocab_size"):
         P.prepare(corpus, **prepare_args(out, vocab_size=20000))
     assert not [f for f in os.listdir(out) if f != "progress.json"]
     P.prepare(corpus, **prepare_args(tmp_path / "done", max_train_tokens=1000))
-    with pytest.raises(UserError, match="other settings.*max_train_tokens 1000 -> 2000"):
+    with pytest.raises(SystemExit, match="other settings.*max_train_tokens 1000 -> 2000"):
         P.prepare(corpus, **prepare_args(tmp_path / "done", max_train_tokens=2000))
 
 
@@ -170,27 +166,8 @@ def test_hub_datasets_fail_fast_offline(tmp_path, monkeypatch):
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     for name in ("c4", "HuggingFaceFW/fineweb"):
-        with pytest.raises(UserError, match="--dataset=pydoc"):
+        with pytest.raises(SystemExit, match="--dataset=pydoc"):
             P.prepare(name, **prepare_args(tmp_path / "out"))
-    assert not (tmp_path / "out").exists()
-
-
-def test_gpt2_fails_clearly_offline(monkeypatch):
-    import requests
-    import tiktoken
-
-    def offline(name):
-        raise requests.exceptions.ConnectionError("no network")
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    with pytest.raises(UserError, match="tiktoken could not download.*--tokenizer=train"):
-        P.Tokenizer()  # GPT-2's, which tiktoken downloads
-
-
-def test_cli_bad_input_is_one_line(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), f"--dataset={tmp_path}/missing.jsonl",
-                          f"--out_dir={tmp_path}/out", "--tokenizer=train"], capture_output=True, text=True,
-                         timeout=60)
-    assert run.returncode == 1 and run.stderr.startswith("error: input file") and run.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 
@@ -219,30 +196,15 @@ def copy_of(folder, to):
     return str(to)
 
 
-def test_damaged_data_is_named_and_the_advised_command_rebuilds_it(data_dir, corpus, tmp_path):
-    import shlex
+def test_a_lost_or_cut_shard_is_named_when_a_run_opens_the_folder(data_dir, tmp_path):
     damaged = copy_of(data_dir, tmp_path / "c4")
     os.remove(os.path.join(damaged, "train_001.bin"))
-    with open(os.path.join(damaged, "train_002.bin"), "r+b") as f:
-        f.truncate(100)
-    with pytest.raises(UserError, match="train_001.bin is missing: rebuild it with `python prepare.py") as e:
+    with pytest.raises(SystemExit, match="train_001.bin is not the 3,000 tokens meta.json says .*python prepare.py"):
         batches(damaged)
-    command = shlex.split(str(e.value).split("`")[1])
-    assert command[:2] == ["python", "prepare.py"]
-    r = subprocess.run([sys.executable, *command[1:]], cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "train_001.bin is missing: rebuilding it" in r.stdout
-    assert folder_bytes(damaged) == folder_bytes(data_dir)
-    # a short val.bin, and a lost tokenizer (then every file is rebuilt with the new one)
     with open(os.path.join(damaged, "val.bin"), "ab") as f:
         f.write(b"\0\0")
-    with pytest.raises(UserError, match="val.bin holds .* tokens, not the"):
+    with pytest.raises(SystemExit, match="val.bin is not the .* tokens meta.json says"):
         batches(damaged, "val")
-    P.prepare(corpus, **prepare_args(damaged))
-    assert folder_bytes(damaged) == folder_bytes(data_dir)
-    os.remove(os.path.join(damaged, "tokenizer.model"))
-    P.prepare(corpus, **prepare_args(damaged))
-    assert folder_bytes(damaged) == folder_bytes(data_dir)
 
 
 def test_a_stale_tokenizer_never_survives_into_a_new_run(data_dir, corpus, tmp_path):
@@ -257,12 +219,12 @@ def test_a_stale_tokenizer_never_survives_into_a_new_run(data_dir, corpus, tmp_p
 
 def test_an_unreadable_tokenizer_is_refused_before_it_is_copied(corpus, tmp_path):
     (tmp_path / "bad.model").write_bytes(b"this is not a sentencepiece model")
-    with pytest.raises(UserError, match="bad.model can't be read as a sentencepiece model"):
+    with pytest.raises(RuntimeError):  # sentencepiece's own error: a foreign file
         P.prepare(corpus, **prepare_args(tmp_path / "out", tokenizer=str(tmp_path / "bad.model")))
     assert not (tmp_path / "out" / "tokenizer.model").exists()
 
 
-def test_a_full_disk_names_the_shard_and_the_rerun_continues(data_dir, corpus, tmp_path, monkeypatch):
+def test_a_full_disk_keeps_every_finished_shard_and_the_rerun_continues(data_dir, corpus, tmp_path, monkeypatch):
     fsync = os.fsync
 
     def disk_full_at_the_second_shard(fd):
@@ -272,25 +234,16 @@ def test_a_full_disk_names_the_shard_and_the_rerun_continues(data_dir, corpus, t
 
     with monkeypatch.context() as m:
         m.setattr(os, "fsync", disk_full_at_the_second_shard)
-        with pytest.raises(UserError, match="could not write .*train_001.bin: No space left on device"):
+        with pytest.raises(OSError, match="No space left on device"):
             P.prepare(corpus, **prepare_args(tmp_path))
-    assert not glob.glob(str(tmp_path / "*.tmp"))
+    assert not os.path.exists(tmp_path / "train_001.bin")  # never half a shard under its name
     P.prepare(corpus, **prepare_args(tmp_path))
     assert folder_bytes(tmp_path) == folder_bytes(data_dir)
 
 
-@pytest.mark.parametrize("inputs_length, density, mean", [(512, 1.0, 3.0), (512, 0.0, 3.0), (512, 0.15, 0.5),
-                                                          (2, 0.15, 3.0)])
-def test_input_and_target_lengths_refuse_what_never_ends(inputs_length, density, mean):
-    # where these values enter, configurator.py refuses them, before compute_input_and_target_lengths could loop
-    r = subprocess.run([sys.executable, "train.py", f"--input_length={inputs_length}", f"--noise_density={density}",
-                        f"--mean_noise_span_length={mean}"], cwd=HERE, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.startswith("error: config key ") and r.stderr.count("\n") == 1, r.stderr
-
-
 def test_decode_skips_special_tokens_as_hugging_face_does(data_dir):
     from transformers import T5Tokenizer
-    tok = P.load_tokenizer(data_dir)
+    tok = P.load_tokenizer(P.load_meta(data_dir))
     # Hugging Face's T5 tokenizer over the same pieces (transformers 5 builds it from the (piece, score) list)
     hf = T5Tokenizer(vocab=[(tok.sp.id_to_piece(i), tok.sp.get_score(i)) for i in range(PIECES)], extra_ids=100)
     rng = np.random.default_rng(0)
@@ -302,24 +255,12 @@ def test_decode_skips_special_tokens_as_hugging_face_does(data_dir):
     assert tok.decode(ids) == "the model <extra_id_0>" and tok.decode(ids, skip_special_tokens=True) == "the model"
 
 
-def test_a_tokenizer_of_another_folder_is_named_and_rebuilt(data_dir, corpus, tmp_path):
-    other = P.prepare(corpus, **prepare_args(tmp_path / "small", vocab_size=PIECES // 2, max_train_tokens=1000))
-    damaged = copy_of(data_dir, tmp_path / "c4")
-    with open(os.path.join(other["data_dir"], "tokenizer.model"), "rb") as f:
-        with open(os.path.join(damaged, "tokenizer.model"), "wb") as g:
-            g.write(f.read())
-    with pytest.raises(UserError, match="tokenizer.model is not the tokenizer .* was prepared with"):
-        P.load_tokenizer(damaged)
-    P.prepare(corpus, **prepare_args(damaged))  # the command the error names
-    assert folder_bytes(damaged) == folder_bytes(data_dir)
-
-
 def test_tokenizer_training_reports_a_failure_to_read_as_itself():
     def texts():
         yield "some text to learn a vocabulary from " * 50
         raise KeyboardInterrupt  # Ctrl-C while the corpus is read
     with pytest.raises(KeyboardInterrupt):
-        P._train_spiece(texts(), 100)
+        P.train_spiece(texts(), 100)
 
 
 def test_a_val_set_shorter_than_a_window_is_reported(corpus, tmp_path, capsys):

@@ -7,6 +7,8 @@ from model import T5, T5Config
 from runtime import DTYPES, Runtime, flops_per_step, memory_report, mfu
 from test_train import REPO, run
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
+
 # the exact names torch.cuda.get_device_name prints, and each one's dense bf16 peak; near misses of a listed name
 # (an L40S is not an L4, an H100 PCIe is not an SXM) must not borrow its figure
 REAL_GPU_NAMES = {
@@ -61,32 +63,38 @@ import datetime, os, sys, time
 sys.path.insert(0, {repo!r})
 import torch
 import runtime
-runtime.TRAIN_TIMEOUT = datetime.timedelta(seconds=2)
+from model import T5, T5Config
+runtime.TRAIN_TIMEOUT = datetime.timedelta(seconds=1)
 rt = runtime.setup_runtime("cpu", "float32")
+rt.nodes = 2  # 4 ranks as if on 2 nodes: FSDP's mesh is HSDP's, (replicate, shard), of groups of their own
+with torch.device("meta"):
+    t5 = T5(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2))
+runtime.shard_model(t5, rt)
+shard = rt.groups[2]  # the mesh's group of ranks 0 and 1 (or 2 and 3)
 
-def late_all_reduce():  # rank 1 comes 5 s late: whether rank 0 waits for it
-    if rt.rank == 1:
-        time.sleep(5)
+def late_all_reduce(group):  # ranks 1 and 3 come 3 s late: whether rank 0 waits for them
+    if rt.rank % 2 == 1:
+        time.sleep(3)
     try:
-        torch.distributed.all_reduce(torch.ones(1))
+        torch.distributed.all_reduce(torch.ones(1), group=group)
         return "waited"
     except RuntimeError:
-        return "timed out"
+        return "timed-out"
 
-starting = late_all_reduce()
-sync = runtime.Sync(rt, "ckpt.pt", step=0)
-sync.watch(torch.zeros(()), torch.zeros(()))
-sync.agree(1, torch.zeros(()))  # the loop's first agreement: the run has started
-training = late_all_reduce()
+assert torch.distributed.get_process_group_ranks(shard) == [rt.rank // 2 * 2, rt.rank // 2 * 2 + 1]
+starting = [late_all_reduce(group) for group in (None, shard)]
+runtime.agree(rt, 1.0)  # the loop's first agreement: the run has started
+training = [late_all_reduce(group) for group in (shard, None)]
 if rt.rank == 0:
-    print(starting, training, flush=True)
-os._exit(0)  # rank 1's collective failed with rank 0's: no teardown
+    print(*starting, *training, flush=True)
+os._exit(0)  # the late ranks' collectives failed with rank 0's: no teardown
 """
 
 
 def test_a_collective_waits_long_while_starting_and_times_out_sooner_once_training(tmp_path):
-    # START_TIMEOUT (an hour) while the ranks start; from the loop's first agreement on, TRAIN_TIMEOUT, here 2 s
+    # START_TIMEOUT (an hour) while the ranks start; from the loop's first agreement on, TRAIN_TIMEOUT, here 1 s: on
+    # the default group and on the groups of FSDP's mesh alike
     script = tmp_path / "timeouts.py"
     script.write_text(TIMEOUT_SCRIPT.format(repo=REPO))
-    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)])
-    assert r.stdout.split() == ["waited", "timed", "out"], r.stderr
+    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)])
+    assert r.stdout.split() == ["waited", "waited", "timed-out", "timed-out"], r.stderr

@@ -1,10 +1,8 @@
 # nanoT5's recipe: T5-v1.1-base (248M) from scratch on C4 in ~16 h on one A100 (0.56 s/step in the paper)
-# python prepare.py --dataset=c4 --tokenizer=t5 --out_dir=data/c4 --max_train_tokens=5_000_000_000
+# python prepare.py --dataset=c4 --tokenizer=t5 --out_dir=data/c4 --max_train_tokens=4_800_000_000
 # python train.py config/t5_base.py
 out_dir = "out/t5_base"
-data_dir = "data/c4"
-dataset = "c4"
-tokenizer = "t5"
+data_dir = "data/c4"  # C4 en in T5's tokens
 model = "t5-v1_1-base"
 
 # span corruption at 15% noise density, mean span 3: 568 raw tokens -> 512 input + 114 target tokens
