@@ -3,7 +3,7 @@ Times the training step train.py runs (forward, backward, clip, optimizer step) 
 process on the same weights, what one would otherwise use.
     python bench.py                               # ms/step, tokens/s, MFU, peak memory
     python bench.py --table=True                  # dtype x compile, as the nanoT5 paper's Table 1
-    python bench.py --profile=True                # the step's kernels by time, and the attention's
+    python bench.py --profile=True                # the step by phase, its kernels, the attention's
     python bench.py --compare=hf                  # the same step in transformers' T5
     python bench.py --compare=null                # ours against ours: the noise floor of a ratio
     python bench.py --part=optim                  # AdamWScale against AdamW(foreach=True)
@@ -30,7 +30,7 @@ from runtime import check_config, clip_grad_norm, flops_per_step, mfu, print0, s
 part = "train"  # 'train' (a training step), 'optim' (an optimizer step alone)
 compare = ""  # 'hf': against transformers; 'null': ours twice; '': train alone, others a reference
 table = False  # part=train: each dtype x compile row (those given only), at the batch that fits
-profile = False  # part=train: after the timing, torch.profiler's table of one step's kernels
+profile = False  # part=train: after the timing, one step by phase, and its kernels
 # model and shapes
 model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
 batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's), else 4
@@ -130,15 +130,19 @@ def training_step(net, rt, next_batch, compile_model, lr=2e-2, grad_clip=1.0):
     optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr, compile_model)
     model = torch.compile(net) if compile_model else net
 
-    def step():
+    def step(clock=lambda phase: None):  # clock(phase): the phase just ended (print_profile)
         micro_batches = next_batch()
         for batch in micro_batches:
             with rt.autocast():
                 _, loss = model(**batch)
+            clock("forward")
             (loss / len(micro_batches)).backward()
+            clock("backward")
         clip_grad_norm(net, grad_clip)
+        clock("clip")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        clock("optimizer")
     return step
 
 def warm_up_compiler(rt):
@@ -177,9 +181,29 @@ def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_
         print_profile(step_fn, rt)
     return dt, tokens / dt, mfu_now, memory, first
 
+def now(rt):
+    """a CUDA event recorded now on a GPU (nothing waits for it), else the clock's seconds"""
+    if rt.device_type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+def phases(fn, rt):
+    """one call of fn(clock) timed by phase: {phase: ms}, from the clock(phase) before to its own"""
+    marks = [("start", now(rt))]
+    timed(lambda: fn(lambda phase: marks.append((phase, now(rt)))))
+    ms = {}
+    for (_, start), (phase, end) in zip(marks, marks[1:]):
+        elapsed = start.elapsed_time(end) if rt.device_type == "cuda" else 1e3 * (end - start)
+        ms[phase] = ms.get(phase, 0.0) + elapsed
+    return ms
+
 def print_profile(fn, rt, rows=30):
-    """torch.profiler's table of one call of fn: its kernels (the GPU's, or the CPU's ops) by their
-    own time, how many ran, and which attention kernel SDPA chose"""
+    """One step by phase (phases), then torch.profiler's table of another: its kernels (the GPU's,
+    or the CPU's ops) by their own time, how many ran, and which attention kernel SDPA chose"""
+    ms = phases(fn, rt)
+    print0("one step by phase: " + " | ".join(f"{phase} {t:.1f} ms" for phase, t in ms.items()))
     from torch.profiler import profile
     with profile() as prof:  # the CPU's ops, and the GPU's kernels where there is one
         timed(fn)
@@ -213,8 +237,7 @@ def bench_train_fitting(rt, model_name, vocab_size, batch_size, grad_accum_steps
         if rt.device_type == "cuda":
             torch.cuda.empty_cache()
 
-def print_table(device, model_name, vocab_size, batch_size, input_length, rows=TABLE_ROWS,
-                **kwargs):
+def print_table(device, model_name, vocab_size, batch_size, input_length, rows, **kwargs):
     """one line per (dtype, compile) row, at the micro-batch that fits; a row that fails says why"""
     print0(f"{'precision':>10s} {'compile':>8s} {'micro':>6s} {'s/step':>8s} {'tokens/s':>10s} "
            f"{'MFU':>6s} {'peak mem':>9s} {'1st call':>8s} {'paper, A100':>12s}")

@@ -145,9 +145,8 @@ def restore_state(ckpt, t5, optimizer):
 # what a run starts from: its own checkpoint, a run's, Hugging Face weights, or nothing
 
 def start_from(init_from, out_dir, program, fsdp, config, meta, fixed, preset=None):
-    """What a run starts from: its out_dir's newest checkpoint for init_from 'resume'
-    (load_resume); or, for a new run, whose out_dir must hold no other run's files, the weights
-    init_from names (load), or None for 'scratch'"""
+    """What a run starts from: for 'resume' its out_dir's newest checkpoint (load_resume); for a
+    new run, in an out_dir free of other runs' files, what init_from names (load); None: scratch"""
     if init_from == "resume":
         return load_resume(out_dir, program, fsdp, config, meta, fixed)
     check_new_run(out_dir)
@@ -193,8 +192,7 @@ def model_from_checkpoint(ckpt, **overrides):
     return load_weights(T5(T5Config(**{**ckpt["model_config"], **overrides})), ckpt)
 
 def load_model(init_from, **overrides):
-    """(T5, its checkpoint) of a run of train.py or finetune.py, or of Hugging Face weights (a
-    folder or a Hub name: from_pretrained); overrides are T5Config fields"""
+    """(T5, its checkpoint) of what load() reads; overrides are T5Config fields"""
     ckpt = load(init_from)
     return model_from_checkpoint(ckpt, **overrides), ckpt
 

@@ -59,8 +59,7 @@ def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rng):
 def noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id):
     """T5's: each span of noise tokens becomes one sentinel, counting down from first_sentinel_id
     (<extra_id_0>) for the first span"""
-    previous_is_noise = np.zeros_like(noise_mask)
-    previous_is_noise[1:] = noise_mask[:-1]
+    previous_is_noise = np.pad(noise_mask[:-1], (1, 0))  # shifted right, False first
     first_noise = noise_mask & ~previous_is_noise
     subsequent_noise = noise_mask & previous_is_noise
     sentinels = first_sentinel_id + 1 - np.cumsum(first_noise)
@@ -175,10 +174,8 @@ class SpanCorruptionBatches:
                                  f"tokenizer's")
             self.checked.add(s)
         raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shards, starts)])
-        if self.split == "train":
-            rngs = [np.random.default_rng([self.seed, TRAIN_SPANS, step, r]) for r in rows]
-        else:
-            rngs = [np.random.default_rng([VAL_SPANS, step, r]) for r in rows]
+        stream = [self.seed, TRAIN_SPANS] if self.split == "train" else [VAL_SPANS]
+        rngs = [np.random.default_rng([*stream, step, r]) for r in rows]
         inputs, targets = span_corrupt(raw, self.noise_density, self.mean_noise_span_length,
                                        self.meta["first_sentinel_id"], self.meta["eos_id"], rngs)
         return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device)

@@ -36,9 +36,6 @@ data_dir = "natural-instructions"  # a clone of allenai/natural-instructions
 init_from = "out/ckpt.pt"  # a run of train.py or finetune.py, Hugging Face weights, or 'resume'
 out_dir = "out/finetune"
 eval_only = False  # only evaluate init_from on the test tasks
-wandb_log = False
-wandb_project = "nanoT5"
-wandb_run_name = "finetune"
 # data
 max_num_instances_per_task = 100
 num_pos_examples = 2
@@ -239,7 +236,7 @@ if __name__ == "__main__":
     for group in opt.param_groups:
         group["lr"].fill_(lr)  # a resume's --lr, not its checkpoint's
     ckpt = None  # free the checkpoint's copy of the weights
-    logger = runtime.Logger(out_dir, rt.master, step if resuming else None, config)
+    logger = runtime.Logger(out_dir, rt.master, step if resuming else None)
 
     @lru_cache(maxsize=1)
     def epoch_order(epoch):
@@ -285,8 +282,7 @@ if __name__ == "__main__":
                f"{metrics['num_examples']:,} test examples of {len(metrics['per_task'])} tasks; "
                f"predictions in {out_dir}/predictions.jsonl")
 
-    # the loop, as train.py's: the ranks agree at log and checkpoint steps, a signal's flag at every
-    # step (runtime.Signals)
+    # the loop, as train.py's: the ranks agree at log and checkpoint steps (runtime.agree, Signals)
     signals = runtime.Signals(rt)
     model.train()
     last_log = step
@@ -294,8 +290,7 @@ if __name__ == "__main__":
     t_log = time.time()
     last_step = step >= max_steps
     while not last_step:
-        # forward and backward over this rank's micro-batches, the gradients summed; clip; update.
-        # The loss is the mean over the step's label tokens, on every rank: a micro-batch's mean
+        # the loss is the mean over the step's label tokens, on every rank: a micro-batch's mean
         # weighs as many tokens as it holds (DDP and FSDP average the ranks' gradients)
         batches = micro_batches(step)
         tokens = [(batch["labels"] != -100).sum() for batch in batches]

@@ -197,8 +197,7 @@ def padding_mask(attention_mask, dtype):
     """(B, S), 0 at padding -> additive (B, 1, 1, S): the dtype's minimum there (-inf: NaN)"""
     if attention_mask is not None:
         padded = attention_mask[:, None, None, :] == 0
-        mask = torch.zeros(padded.shape, dtype=dtype, device=padded.device)
-        return mask.masked_fill(padded, torch.finfo(dtype).min)
+        return torch.zeros_like(padded, dtype=dtype).masked_fill(padded, torch.finfo(dtype).min)
 
 class Stack(nn.Module):
     """the encoder or the decoder; the first block owns the position bias table, which all use"""
@@ -280,8 +279,7 @@ class T5(nn.Module):
 
     def compute_dtype(self, device):
         # the activations' dtype (autocast's, else the weights'), in which forward builds the masks
-        # once for all layers: SDPA's fused kernels take a float mask in q's dtype, and a cast per
-        # layer would copy the mask in every layer
+        # once for all layers: SDPA's fused kernels want q's dtype; a cast per layer copies them
         autocast = torch.is_autocast_enabled(device.type)
         return torch.get_autocast_dtype(device.type) if autocast else self.shared.weight.dtype
 
@@ -296,8 +294,7 @@ class T5(nn.Module):
         dtype = self.compute_dtype(input_ids.device)
         encoder_out = self.encoder(self.shared(input_ids), attention_mask, dtype)
         cross_mask = padding_mask(attention_mask, dtype)
-        decoder_in = self.shared(decoder_input_ids)
-        x = self.decoder(decoder_in, encoder_out, cross_mask, dtype)
+        x = self.decoder(self.shared(decoder_input_ids), encoder_out, cross_mask, dtype)
         logits = self.lm_head(x * self.config.output_scaling)
         if labels is None:
             return logits, None

@@ -5,6 +5,7 @@ schedules.
 import math
 
 import torch
+from torch.optim.adamw import adamw
 
 from runtime import local, rms, summed, zeros_like_mean  # FSDP's slices: this rank's, and whole
 
@@ -18,15 +19,19 @@ class AdamWScale(torch.optim.Optimizer):
         (3) step_size = lr * sqrt(1-b2^t)/(1-b1^t) * max(1e-3, RMS(p))  # RMS(p) before this update
         (4) p -= step_size * m / (sqrt(v) + eps)
         (5) p -= lr * wd * p                                             # decoupled; if wd > 0
-    lr and t are float64 tensors on the parameters' device: as exact as Python's floats, and
-    torch.compile compiles the step once for every lr and step count, with no CPU code beside the
-    GPU's. Under FSDP each rank holds a slice of p: RMS(p) is the whole tensor's (rms), the rest
-    runs on slices.
+    (1)-(4) run as torch's fused AdamW kernel, one call a tensor. It computes
+        p -= lr' / (1-b1^t) * m / (sqrt(v) / sqrt(1-b2^t) + eps')
+    which is (3)-(4) with lr' = lr * max(1e-3, RMS(p)) and eps' = eps / sqrt(1-b2^t).
+    make_optimizer(compile=True) runs `update` instead, the lines above compiled, one graph for
+    tensors of every size. lr and the step counts are tensors on the parameters' device, so that
+    a compiled step never compiles again, nor has CPU code beside the GPU's. Under FSDP each rank
+    holds a slice of p: RMS(p) is the whole tensor's (rms), the rest runs on slices.
     """
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
         lr = torch.tensor(lr, dtype=torch.float64)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.compiled_update = None  # make_optimizer(compile=True) sets it
         self.place()
         self.register_load_state_dict_post_hook(AdamWScale.place)  # a checkpoint loads to the CPU
 
@@ -42,30 +47,38 @@ class AdamWScale(torch.optim.Optimizer):
     def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            (beta1, beta2), lr, decay = group["betas"], group["lr"], group["weight_decay"]
+            group["t"] = t = group.get("t", 0) + 1  # its tensors step together, as T5's do
+            eps = group["eps"] / math.sqrt(1 - beta2 ** t)  # eps'
             for p, p_rms in zip(params, rms(params)):
                 state = self.state[p]
-                if not state:
-                    state.update(step=torch.zeros((), dtype=torch.float64, device=local(p).device),
+                if not state:  # the step count in float32, as the fused kernel reads it
+                    state.update(step=torch.zeros((), device=local(p).device),
                                  exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
-                self.update(local(p).view(-1), local(p.grad).view(-1), m.view(-1), v.view(-1),
-                            state["step"], p_rms, group["lr"], *group["betas"], group["eps"],
-                            group["weight_decay"])
+                p, g, m, v = (local(x) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+                if self.compiled_update:
+                    self.compiled_update(p.view(-1), g.view(-1), m.view(-1), v.view(-1),
+                                         state["step"], p_rms, lr, beta1, beta2, group["eps"])
+                else:
+                    p_lr = (lr * p_rms.clamp(min=1e-3)).float()  # lr'
+                    adamw([p], [g], [m], [v], [], [state["step"]], fused=True, amsgrad=False,
+                          beta1=beta1, beta2=beta2, lr=p_lr, weight_decay=0.0, eps=eps,
+                          maximize=False)
+                if decay > 0:
+                    p.mul_(1 - lr * decay)  # (5)
 
     @staticmethod
     @torch.no_grad()
-    def update(p, g, m, v, t, p_rms, lr, beta1, beta2, eps, weight_decay):
-        """One tensor's step, flattened: the lines above. make_optimizer(compile=True) compiles it,
-        one graph for tensors of every size."""
+    def update(p, g, m, v, t, p_rms, lr, beta1, beta2, eps):
+        """(1)-(4) for one tensor, flattened, as make_optimizer(compile=True) compiles it"""
         t += 1
         m.lerp_(g, 1 - beta1)  # (1): m + (1-b1)*(g - m)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # (2)
+        t = t.double()  # the bias corrections as exact as Python's floats
         step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t)  # (3)
         step_size = step_size * p_rms.clamp(min=1e-3)  # (3)
         update = m / v.sqrt().add_(eps)  # (4) m / (sqrt(v) + eps)
         p.sub_(update.mul_(step_size))  # (4) p -= step_size * that
-        if weight_decay > 0:
-            p.mul_(1 - lr * weight_decay)  # (5)
 
 class Adafactor(torch.optim.Optimizer):
     """
@@ -182,7 +195,7 @@ OPTIMIZERS = ("adamwscale", "adafactor", "adamw")
 
 def make_optimizer(name, groups, lr, compile=False):
     """One of OPTIMIZERS by name, each group's weight_decay from param_groups; lr a tensor, which
-    train.py sets in place. compile: AdamWScale's update of a tensor compiled."""
+    train.py sets in place. compile: AdamWScale's `update` compiled, not torch's fused kernel."""
     if name == "adafactor":
         return Adafactor(groups, lr=lr)
     if name == "adamw":  # eps 1e-6 is HF AdamW's, which nanoT5 ran
@@ -190,5 +203,5 @@ def make_optimizer(name, groups, lr, compile=False):
         return torch.optim.AdamW(groups, lr=torch.tensor(lr), eps=1e-6, fused=fused)
     optimizer = AdamWScale(groups, lr=lr)
     if compile:  # one graph for every tensor, of whatever size
-        optimizer.update = torch.compile(optimizer.update, dynamic=True)
+        optimizer.compiled_update = torch.compile(optimizer.update, dynamic=True)
     return optimizer

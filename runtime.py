@@ -287,8 +287,7 @@ def clip_grad_norm(model, max_norm):
 def print_memory(model, optimizer, rt):
     """after the first step: what rank 0 holds of the weights and optimizer state; a GPU's peak"""
     states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    tensors = [*model.parameters(), *states]
-    state_bytes = sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
+    state_bytes = sum(local(t).nbytes for t in [*model.parameters(), *states])
     print0(f"parameters + optimizer state: {state_bytes / 2**20:.2f} MiB on rank 0")
     if rt.device_type == "cuda":
         print0(memory_report(rt.device))
@@ -396,12 +395,11 @@ class Signals:
 # the log
 
 class Logger:
-    """One JSON object per event in out_dir/log.jsonl (rank 0), and to wandb with wandb_log. A
-    resume first drops what was logged after its checkpoint, and a last line a kill cut short."""
+    """One JSON object per event in out_dir/log.jsonl (rank 0). A resume first drops what was
+    logged after its checkpoint, and a last line a kill cut short."""
 
-    def __init__(self, out_dir, master=True, resume_step=None, config=None):
+    def __init__(self, out_dir, master=True, resume_step=None):
         self.path = os.path.join(out_dir, "log.jsonl") if master else None
-        self.wandb = None
         os.makedirs(out_dir, exist_ok=True)
         if master and resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
@@ -409,15 +407,9 @@ class Logger:
             kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
             with atomic_write(self.path, "w") as f:
                 f.writelines(kept)
-        if master and config and config["wandb_log"]:
-            import wandb
-            self.wandb = wandb.init(project=config["wandb_project"], name=config["wandb_run_name"],
-                                    config=config)
 
     def log(self, record):
         if self.path is None:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(record, step=record.get("step"))

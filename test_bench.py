@@ -1,5 +1,7 @@
 """bench.py's functions called directly, as a test or a notebook would: a tiny training step, the table's fallback to
 a micro-batch that fits after running out of memory, and the first (compiling) call reported apart."""
+import re
+
 import pytest
 import torch
 
@@ -156,6 +158,9 @@ def test_profile_prints_the_steps_kernels_and_the_attention_kernel(capsys):
     rt = setup_runtime("cpu", "float32")
     bench.bench_train(rt, *TINY, False, profile=True, **ONE_STEP)
     out = capsys.readouterr().out
+    phases = next(line for line in out.splitlines() if line.startswith("one step by phase: "))
+    assert re.fullmatch(r"one step by phase: forward [\d.]+ ms \| backward [\d.]+ ms \| clip [\d.]+ ms"
+                        r" \| optimizer [\d.]+ ms", phases)
     assert "Self CPU time total" in out and "aten::mm" in out  # torch.profiler's table
     attention = next(line for line in out.splitlines() if line.startswith("attention: "))
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in attention

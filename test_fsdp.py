@@ -510,6 +510,7 @@ def peaks(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("test_fsdp peaks")  # its own fixture, 4 minutes: beside the file's other tests
 @pytest.mark.parametrize("case", ["step", "resume", "start"])
 def test_no_fsdp_rank_holds_the_whole_model(peaks, case):
     """One process holds the weights and their gradients, 8 bytes per parameter (Adafactor's factored moments are

@@ -348,7 +348,7 @@ def test_no_graph_breaks_in_the_training_step_and_the_decode_step():
     p = t5.shared.weight
     state = optimizer.state[p]
     one_tensor = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), state["step"],
-                  p.norm(), torch.tensor(1e-2, dtype=torch.float64), 0.9, 0.999, 1e-6, 0.0)
+                  p.norm(), torch.tensor(1e-2, dtype=torch.float64), 0.9, 0.999, 1e-6)
     assert torch._dynamo.explain(optimizer.update)(*one_tensor).graph_break_count == 0
     with torch.no_grad():
         encoder_kv = t5.decoder.encoder_kv(t5.encoder(t5.shared(input_ids), None, torch.float32))
@@ -360,3 +360,21 @@ def test_no_graph_breaks_in_the_training_step_and_the_decode_step():
     apply_activation_checkpointing(t5)
     explained = torch._dynamo.explain(t5)(input_ids, labels=labels)
     assert explained.graph_break_count == 0 and "tag_activation_checkpoint" in explained.graphs[0].code
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose: a CPU's
+def test_the_flex_encoder_that_the_gpu_trials_time_computes_the_same_forward():
+    """docs/gpu_trials.py's candidate, the encoder's self-attention in flex_attention with its bias as an fp32
+    (H, S, S) table: the same logits and loss as model.py's SDPA (on a CPU flex_attention has a forward only)"""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_trials", os.path.join("docs", "gpu_trials.py"))
+    gpu_trials = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_trials)
+    torch.manual_seed(0)
+    t5 = T5(T5Config.from_preset("t5-tiny", vocab_size=256))
+    input_ids, labels = torch.randint(0, 256, (2, 40)), torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        logits, loss = t5(input_ids, labels=labels)
+        flex_logits, flex_loss = gpu_trials.use_flex_in_encoder(t5)(input_ids, labels=labels)
+    torch.testing.assert_close(flex_logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flex_loss, loss, rtol=1e-6, atol=1e-6)

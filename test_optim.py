@@ -195,3 +195,23 @@ def test_compiled_step_is_exact_and_never_compiles_again(monkeypatch):
             optimizer.step()
     for p, q in zip(eager, compiled):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_step_is_the_per_tensor_form():
+    """AdamWScale's step through torch's fused AdamW kernel (lr', eps') equals its lines (1)-(4) run one by one
+    (`update`, eager), over 20 steps of a new lr each, on T5-shaped tensors with weight decay"""
+    torch.manual_seed(0)
+    shapes = [(256, 64), (64,), (32, 6), (64, 256)]  # a projection, a norm, a bias table, wo
+    fused = [nn.Parameter(torch.randn(s) * 0.05) for s in shapes]
+    by_lines = [nn.Parameter(p.detach().clone()) for p in fused]
+    optimizers = [AdamWScale([{"params": ps, "weight_decay": 0.01}], lr=1e-2) for ps in (fused, by_lines)]
+    optimizers[1].compiled_update = AdamWScale.update  # the lines, eager
+    for step in range(20):
+        grads = [torch.randn(s) * 1e-3 for s in shapes]
+        for optimizer, params in zip(optimizers, (fused, by_lines)):
+            optimizer.param_groups[0]["lr"].fill_(2e-2 * (step + 1) / 20)
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer.step()
+    for p, q in zip(fused, by_lines):  # each step moves a weight by ~1e-3: 1e-7 is 1e-4 of a step
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

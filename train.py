@@ -56,9 +56,6 @@ fsdp = False  # under torchrun: shard weights, gradients and optimizer state (FS
 shard_across_nodes = False  # fsdp over nodes: False shards within each, replicates across (HSDP)
 seed = 1337
 peak_flops = 0.0  # dense peak FLOP/s of one GPU, for MFU; 0 -> runtime.PEAK_FLOPS
-wandb_log = False
-wandb_project = "nanoT5"
-wandb_run_name = "t5"
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # the values that would never end, fail obscurely or train silently wrong: refused, a line each
 runtime.check_config(config, [
@@ -124,7 +121,7 @@ print0(f"span accuracy baseline {span_baseline:.4f}: always writing the commones
 # two held-out examples every evaluation shows filled in: the first two windows of val.bin
 demo_inputs, demo_labels = (t[:2] for t in val_data.get(0, device=rt.device))
 demo_tokens = max(tok.shown_length(labels) for labels in demo_labels.tolist())  # what they need
-logger = runtime.Logger(out_dir, rt.master, step if init_from == "resume" else None, config)
+logger = runtime.Logger(out_dir, rt.master, step if init_from == "resume" else None)
 peak = rt.peak_flops(peak_flops)
 
 @torch.no_grad()

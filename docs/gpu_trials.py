@@ -1,98 +1,167 @@
-"""Two trials run on a GPU for docs/performance.md, from the repo's root: `python docs/gpu_trials.py`.
-1. The relative-bias attention of t5-v1_1-base, forward and backward with the bias's gradient: SDPA, as model.py runs
-   it (the bias as a float mask), against flex_attention with a score_mod that adds the bias, compiled.
-2. AdamWScale's step over t5-v1_1-base's tensors, eager and compiled (make_optimizer(compile=True)), and the gradient
-   clipping: ms per step and CUDA kernels per step."""
+"""Speed, round three, on a GPU, from the repo's root: `python docs/gpu_trials.py` (at most 8 minutes on one H100).
+t5-v1_1-base at batch 128 x (512 + 114), bf16, the model compiled as train.py compiles it. Each change against
+today's step, in this process, on the same weights and batch, A B B A after warm-up, the null comparison first:
+  null        today's step against itself
+  fused       AdamWScale eager, torch's fused AdamW kernel, against today's compiled per-tensor update
+  flex        the encoder's self-attention in flex_attention, its bias an fp32 (H, S, S) table in a score_mod
+  per-block   each block compiled, as the FSDP path does, against the whole model compiled
+Then each side's phases (forward, backward, clip, optimizer), its first call (Inductor's caches off; today's
+includes compiling the optimizer's update, which the later sides reuse),
+AdamWScale's step alone in both forms, and flex against SDPA for one encoder layer, forward and backward.
+Prints one table and writes the same figures to $OUT/gpu_trials.json (else ./gpu_trials.json).
+Off a GPU it runs t5-tiny at batch 2 without flex, to check the script itself."""
+import copy
+import json
 import os
 import statistics
 import sys
-import time
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
-from torch.profiler import ProfilerActivity, profile
+if __name__ == "__main__":  # each first call compiles from nothing, sharing no cached kernel with another's
+    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import T5, T5Config  # noqa: E402
+import bench  # noqa: E402
 from optim import make_optimizer, param_groups  # noqa: E402
+from runtime import clip_grad_norm, setup_runtime  # noqa: E402
 
 
-def ms(fn, n=20):
-    """the median of n calls, by CUDA events"""
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def kernels(fn):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-
-
-def attention(name, B, H, Sq, Sk, causal, flex=torch.compile(flex_attention)):
-    """SDPA against flex_attention at one shape: the gradients' agreement, and the ms saved by flex"""
-    q = torch.randn(B, H, Sq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(B, H, Sk, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    bias = (torch.randn(1, H, Sq, Sk, device="cuda", dtype=torch.bfloat16) * 0.5).requires_grad_()
-    future = torch.ones(Sq, Sk, device="cuda", dtype=torch.bool).triu(1)
-    grad_out = torch.randn(B, H, Sq, 64, device="cuda", dtype=torch.bfloat16)
-
-    def sdpa():
-        mask = bias.masked_fill(future, torch.finfo(torch.bfloat16).min) if causal else bias
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+def flex_self_attention(attn, x, bias):
+    """model.Attention's self-attention with flex_attention: bias (H, S, S), fp32, added to each score, so that its
+    gradient is (H, S, S), not SDPA's (B, H, S, S)"""
+    q, (k, v) = attn.split_heads(attn.q(x)), attn.kv(x)  # (B, nh, S, hs)
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        score = score + bias[0, h, q_idx, kv_idx]
-        return torch.where(kv_idx > q_idx, -float("inf"), score) if causal else score
+        return score + bias[h, q_idx, kv_idx]
+    y = flex_attention(q, k, v, score_mod=score_mod, scale=1.0)
+    return attn.o(y.transpose(1, 2).flatten(2))  # (B, nh, S, hs) -> (B, S, nh * hs)
+
+
+def flex_encoder_forward(encoder, x, attention_mask, dtype):
+    """model.Encoder.forward with flex_self_attention, for unpadded pre-training batches without dropout"""
+    assert attention_mask is None, "pre-training batches have no padding"
+    positions = torch.arange(x.size(1), device=x.device)
+    bias = encoder.blocks[0].attn.position_bias(positions, positions)[0]  # (nh, S, S), fp32
+    for block in encoder.blocks:
+        x = x + flex_self_attention(block.attn, block.ln_1(x), bias)
+        x = x + block.ff(block.ln_2(x))
+    return encoder.ln_f(x)
+
+
+def use_flex_in_encoder(t5):
+    t5.encoder.forward = lambda *args: flex_encoder_forward(t5.encoder, *args)
+    return t5
+
+
+def make_step(t5, model, optimizer, rt, next_batch):
+    """bench.training_step's step (forward, backward, clip, update), with the model and optimizer given"""
+    def step(clock=lambda phase: None):
+        for batch in next_batch():
+            with rt.autocast():
+                _, loss = model(**batch)
+            clock("forward")
+            loss.backward()
+            clock("backward")
+        clip_grad_norm(t5, 1.0)
+        clock("clip")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock("optimizer")
+    return step
+
+
+def compile_blocks(t5):
+    for block in [*t5.encoder.blocks, *t5.decoder.blocks]:
+        block.compile()
+    return t5
+
+
+def layer_attention(rt, B, H, S, steps):
+    """one encoder layer's biased self-attention, forward and backward with the bias's gradient: SDPA with a bf16
+    (1, H, S, S) mask, as model.py runs it, against compiled flex_attention with the fp32 (H, S, S) table"""
+    q, k, v = (torch.randn(B, H, S, 64, device=rt.device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    table = (torch.randn(H, S, S, device=rt.device) * 0.5).requires_grad_()
+    grad_out = torch.randn(B, H, S, 64, device=rt.device, dtype=torch.bfloat16)
+    flex = torch.compile(flex_attention)
+
+    def sdpa():
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=table.to(torch.bfloat16)[None], scale=1.0)
+        return [y, *torch.autograd.grad(y, (q, k, v, table), grad_out)]
 
     def with_flex():
-        return flex(q, k, v, score_mod=score_mod, scale=1.0)
-
-    def forward_backward(fn):
-        out = fn()
-        return [out, *torch.autograd.grad(out, (q, k, v, bias), grad_out)]
-
-    for what, a, b in zip(("out", "dq", "dk", "dv", "dbias"), forward_backward(sdpa), forward_backward(with_flex)):
-        error = ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
-        print(f"  {name} {what}: max |flex - sdpa| / max |sdpa| = {error:.2e}")
-    for fn in (sdpa, with_flex) * 3:  # warm-up
-        forward_backward(fn)
-    times = {sdpa: [], with_flex: []}
-    for i in range(20):  # alternating
-        for fn in (sdpa, with_flex) if i % 2 == 0 else (with_flex, sdpa):
-            times[fn].append(ms(lambda: forward_backward(fn), n=1))
-    a, b = statistics.median(times[sdpa]), statistics.median(times[with_flex])
-    print(f"{name}: sdpa {a:.2f} ms, flex {b:.2f} ms (forward + backward, medians of 20 alternating)")
-    return a - b
+        y = flex(q, k, v, score_mod=lambda score, b, h, i, j: score + table[h, i, j], scale=1.0)
+        return [y, *torch.autograd.grad(y, (q, k, v, table), grad_out)]
+    errors = {what: ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+              for what, a, b in zip(("out", "dq", "dk", "dv", "dbias"), sdpa(), with_flex())}
+    sdpa_ms, flex_ms = bench.side_by_side(("SDPA", sdpa), ("flex", with_flex), B * S, "tok", steps, 3)
+    return dict(sdpa_ms=1e3 * sdpa_ms, flex_ms=1e3 * flex_ms, max_rel_error=errors)
 
 
-print(torch.__version__, torch.cuda.get_device_name())
-saved = [attention("encoder self-attention B=128 H=12 512x512", 128, 12, 512, 512, False),
-         attention("decoder self-attention B=128 H=12 114x114 causal", 128, 12, 114, 114, True)]
-print(f"per step (12 encoder + 12 decoder layers): flex saves {12 * sum(saved):.1f} ms")
+def main():
+    on_cuda = torch.cuda.is_available()
+    rt = setup_runtime("auto", "bfloat16" if on_cuda else "float32")
+    name, batch_size, input_length, steps = ("t5-v1_1-base", 128, 512, 10) if on_cuda else ("t5-tiny", 2, 64, 4)
+    vocab_size = 32128 if on_cuda else 256
+    tokens = batch_size * (input_length + bench.targets_length(input_length))
+    next_batch = bench.batches(rt, batch_size, 1, input_length, vocab_size)
+    device = torch.cuda.get_device_name() if on_cuda else "CPU"
+    print(f"{device} | torch {torch.__version__} | {name} | batch {batch_size} x {input_length} | {rt.dtype}")
 
-torch.manual_seed(0)
-with torch.device("cuda"):
-    t5 = T5(T5Config.from_preset("t5-v1_1-base"))
-params = list(t5.parameters())
-for p in params:
-    p.grad = torch.randn_like(p) * 1e-3
-clip = lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)  # noqa: E731
-print(f"clip_grad_norm_: {ms(clip):.2f} ms, {kernels(clip)} kernels")
-for compiled in (False, True):
-    optimizer = make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2, compile=compiled)
-    t0 = time.time()
-    optimizer.step()
-    torch.cuda.synchronize()
-    first = time.time() - t0
-    print(f"AdamWScale, compile={compiled}: {ms(optimizer.step):.2f} ms/step, {kernels(optimizer.step)} kernels, "
-          f"first call {first:.1f} s")
+    t5 = bench.build_model(rt, name, vocab_size)
+    whole = torch.compile(t5)
+    today = make_step(t5, whole, make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2, compile=True), rt,
+                      next_batch)
+    again = make_step(t5, whole, make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2, compile=True), rt,
+                      next_batch)
+    fused = make_step(t5, whole, make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2), rt, next_batch)
+    changes = [("null", again), ("fused", fused)]
+    blocks_t5 = compile_blocks(copy.deepcopy(t5))
+    changes.append(("per-block", make_step(blocks_t5, blocks_t5, make_optimizer(
+        "adamwscale", param_groups(blocks_t5, 0.0), 2e-2, compile=True), rt, next_batch)))
+    if on_cuda:  # flex_attention has no backward on a CPU
+        flex_t5 = copy.deepcopy(t5)
+        flex_model = torch.compile(use_flex_in_encoder(flex_t5))
+        changes.append(("flex", make_step(flex_t5, flex_model, make_optimizer(
+            "adamwscale", param_groups(flex_t5, 0.0), 2e-2, compile=True), rt, next_batch)))
+
+    results = dict(device=device, torch=torch.__version__, model=name, batch_size=batch_size,
+                   input_length=input_length, steps=steps, first_call_s={}, phases_ms={}, comparisons={})
+    for label, fn in [("today", today), *changes]:
+        results["first_call_s"][label] = bench.burn(fn, 3)
+    for label, fn in changes:  # A B B A, medians; the null first
+        print(f"today against {label}:")
+        a, b = bench.side_by_side(("today", today), (label, fn), tokens, "tok", steps, 0)
+        results["comparisons"][label] = dict(today_ms=1e3 * a, change_ms=1e3 * b, speedup=a / b)
+    for label, fn in [("today", today), *changes[1:]]:
+        by_phase = [bench.phases(fn, rt) for _ in range(3)]
+        results["phases_ms"][label] = {p: statistics.median(m[p] for m in by_phase) for p in by_phase[0]}
+
+    for p in t5.parameters():  # AdamWScale alone, over the model's tensors
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizers = [("compiled", make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2, compile=True)),
+                  ("fused", make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2))]
+    medians = bench.side_by_side(*[(f"AdamWScale {k}", o.step) for k, o in optimizers], t5.num_params(), "param",
+                                 steps, 3, compiled=True)
+    results["adamwscale_ms"] = {k: 1e3 * m for (k, _), m in zip(optimizers, medians)}
+    if on_cuda:
+        results["encoder_layer_attention"] = layer_attention(rt, batch_size, 12, input_length, steps)
+
+    print(f"\n{'side':>10s} {'ms/step':>9s} {'x today':>8s} {'1st call':>9s}  phases (ms)")
+    for label in ["today", *(k for k, _ in changes)]:
+        row = results["comparisons"].get(label, {})
+        ms = row.get("change_ms", statistics.median(r["today_ms"] for r in results["comparisons"].values()))
+        phases = " ".join(f"{p} {t:.1f}" for p, t in results["phases_ms"].get(label, {}).items())
+        print(f"{label:>10s} {ms:9.1f} {row.get('speedup', 1.0):8.2f} {results['first_call_s'][label]:8.1f}s  {phases}")
+    print("AdamWScale alone: " + ", ".join(f"{k} {v:.2f} ms" for k, v in results["adamwscale_ms"].items()))
+    if on_cuda:
+        print(f"encoder layer attention: {results['encoder_layer_attention']}")
+    path = os.path.join(os.environ.get("OUT", "."), "gpu_trials.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
