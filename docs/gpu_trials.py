@@ -4,7 +4,7 @@ today's step, in this process, on the same weights and batch, A B B A after warm
   null        today's step against itself
   fused       AdamWScale eager, torch's fused AdamW kernel, against today's compiled per-tensor update
   flex        the encoder's self-attention in flex_attention, its bias an fp32 (H, S, S) table in a score_mod
-  per-block   each block compiled, as the FSDP path does, against the whole model compiled
+  per-block   each block compiled, as the FSDP path does, against the whole model compiled (both with fused)
 Then each side's phases (forward, backward, clip, optimizer), its first call (Inductor's caches off; today's
 includes compiling the optimizer's update, which the later sides reuse),
 AdamWScale's step alone in both forms, and flex against SDPA for one encoder layer, forward and backward.
@@ -25,7 +25,7 @@ from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 from optim import make_optimizer, param_groups  # noqa: E402
-from runtime import clip_grad_norm, setup_runtime  # noqa: E402
+from runtime import setup_runtime  # noqa: E402
 
 
 def flex_self_attention(attn, x, bias):
@@ -53,23 +53,6 @@ def flex_encoder_forward(encoder, x, attention_mask, dtype):
 def use_flex_in_encoder(t5):
     t5.encoder.forward = lambda *args: flex_encoder_forward(t5.encoder, *args)
     return t5
-
-
-def make_step(t5, model, optimizer, rt, next_batch):
-    """bench.training_step's step (forward, backward, clip, update), with the model and optimizer given"""
-    def step(clock=lambda phase: None):
-        for batch in next_batch():
-            with rt.autocast():
-                _, loss = model(**batch)
-            clock("forward")
-            loss.backward()
-            clock("backward")
-        clip_grad_norm(t5, 1.0)
-        clock("clip")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        clock("optimizer")
-    return step
 
 
 def compile_blocks(t5):
@@ -110,31 +93,29 @@ def main():
     print(f"{device} | torch {torch.__version__} | {name} | batch {batch_size} x {input_length} | {rt.dtype}")
 
     t5 = bench.build_model(rt, name, vocab_size)
-    whole = torch.compile(t5)
-    today = make_step(t5, whole, make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2, compile=True), rt,
-                      next_batch)
-    again = make_step(t5, whole, make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2, compile=True), rt,
-                      next_batch)
-    fused = make_step(t5, whole, make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2), rt, next_batch)
-    changes = [("null", again), ("fused", fused)]
-    blocks_t5 = compile_blocks(copy.deepcopy(t5))
-    changes.append(("per-block", make_step(blocks_t5, blocks_t5, make_optimizer(
-        "adamwscale", param_groups(blocks_t5, 0.0), 2e-2, compile=True), rt, next_batch)))
+    whole = torch.compile(t5)  # bench.training_step(t5, ..., True) compiles it so, and the optimizer's update
+    sides = {"today": bench.training_step(t5, rt, next_batch, True),
+             "null": bench.training_step(t5, rt, next_batch, True),
+             "fused": bench.training_step(whole, rt, next_batch, False),  # the model compiled, not the optimizer
+             "per-block": bench.training_step(compile_blocks(copy.deepcopy(t5)), rt, next_batch, False)}
+    # (side, the side it is timed against): per-block against fused, the same optimizer
+    pairs = [("null", "today"), ("fused", "today"), ("per-block", "fused")]
     if on_cuda:  # flex_attention has no backward on a CPU
-        flex_t5 = copy.deepcopy(t5)
-        flex_model = torch.compile(use_flex_in_encoder(flex_t5))
-        changes.append(("flex", make_step(flex_t5, flex_model, make_optimizer(
-            "adamwscale", param_groups(flex_t5, 0.0), 2e-2, compile=True), rt, next_batch)))
+        sides["flex"] = bench.training_step(use_flex_in_encoder(copy.deepcopy(t5)), rt, next_batch, True)
+        pairs.append(("flex", "today"))
 
     results = dict(device=device, torch=torch.__version__, model=name, batch_size=batch_size,
-                   input_length=input_length, steps=steps, first_call_s={}, phases_ms={}, comparisons={})
-    for label, fn in [("today", today), *changes]:
+                   input_length=input_length, steps=steps, first_call_s={}, phases_ms={}, ms_per_step={},
+                   against={})
+    for label, fn in sides.items():
         results["first_call_s"][label] = bench.burn(fn, 3)
-    for label, fn in changes:  # A B B A, medians; the null first
-        print(f"today against {label}:")
-        a, b = bench.side_by_side(("today", today), (label, fn), tokens, "tok", steps, 0)
-        results["comparisons"][label] = dict(today_ms=1e3 * a, change_ms=1e3 * b, speedup=a / b)
-    for label, fn in [("today", today), *changes[1:]]:
+    for label, reference in pairs:  # A B B A, medians; the null first
+        print(f"{reference} against {label}:")
+        a, b = bench.side_by_side((reference, sides[reference]), (label, sides[label]), tokens, "tok", steps, 0)
+        results["ms_per_step"].setdefault(reference, 1e3 * a)
+        results["ms_per_step"][label] = 1e3 * b
+        results["against"][label] = dict(side=reference, ms=1e3 * a, speedup=a / b)
+    for label, fn in sides.items():
         by_phase = [bench.phases(fn, rt) for _ in range(3)]
         results["phases_ms"][label] = {p: statistics.median(m[p] for m in by_phase) for p in by_phase[0]}
 
@@ -148,12 +129,12 @@ def main():
     if on_cuda:
         results["encoder_layer_attention"] = layer_attention(rt, batch_size, 12, input_length, steps)
 
-    print(f"\n{'side':>10s} {'ms/step':>9s} {'x today':>8s} {'1st call':>9s}  phases (ms)")
-    for label in ["today", *(k for k, _ in changes)]:
-        row = results["comparisons"].get(label, {})
-        ms = row.get("change_ms", statistics.median(r["today_ms"] for r in results["comparisons"].values()))
-        phases = " ".join(f"{p} {t:.1f}" for p, t in results["phases_ms"].get(label, {}).items())
-        print(f"{label:>10s} {ms:9.1f} {row.get('speedup', 1.0):8.2f} {results['first_call_s'][label]:8.1f}s  {phases}")
+    print(f"\n{'side':>10s} {'ms/step':>9s} {'speed-up':>9s} {'against':>8s} {'1st call':>9s}  phases (ms)")
+    for label in sides:
+        against = results["against"].get(label, dict(side="", speedup=1.0))
+        phases = " ".join(f"{p} {t:.1f}" for p, t in results["phases_ms"][label].items())
+        print(f"{label:>10s} {results['ms_per_step'][label]:9.1f} {against['speedup']:9.2f} {against['side']:>8s} "
+              f"{results['first_call_s'][label]:8.1f}s  {phases}")
     print("AdamWScale alone: " + ", ".join(f"{k} {v:.2f} ms" for k, v in results["adamwscale_ms"].items()))
     if on_cuda:
         print(f"encoder layer attention: {results['encoder_layer_attention']}")
