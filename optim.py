@@ -22,10 +22,9 @@ class AdamWScale(torch.optim.Optimizer):
     (1)-(4) run as torch's fused AdamW kernel, one call a tensor. It computes
         p -= lr' / (1-b1^t) * m / (sqrt(v) / sqrt(1-b2^t) + eps')
     which is (3)-(4) with lr' = lr * max(1e-3, RMS(p)) and eps' = eps / sqrt(1-b2^t).
-    make_optimizer(compile=True) runs `update` instead, the lines above compiled, one graph for
-    tensors of every size. lr and the step counts are tensors on the parameters' device, so that
-    a compiled step never compiles again, nor has CPU code beside the GPU's. Under FSDP each rank
-    holds a slice of p: RMS(p) is the whole tensor's (rms), the rest runs on slices.
+    make_optimizer(compile=True) runs `update`, the lines compiled once for every size and step:
+    lr and the step counts are tensors on the parameters' device, with no CPU code beside the GPU's.
+    Under FSDP each rank holds a slice of p: RMS(p) is the whole tensor's (rms), the rest on slices.
     """
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
@@ -36,11 +35,12 @@ class AdamWScale(torch.optim.Optimizer):
         self.register_load_state_dict_post_hook(AdamWScale.place)  # a checkpoint loads to the CPU
 
     def place(self):
-        """lr and the step counts on the parameters' device"""
+        """lr and the step counts on the parameters' device; the host's count t (eps') from them"""
         for group in self.param_groups:
             for p in group["params"]:
                 group["lr"] = group["lr"].to(local(p).device)
                 if p in self.state:
+                    group["t"] = int(self.state[p]["step"])
                     self.state[p]["step"] = self.state[p]["step"].to(local(p).device)
 
     @torch.no_grad()

@@ -1,3 +1,4 @@
+import copy
 import io
 import math
 
@@ -215,3 +216,26 @@ def test_the_fused_step_is_the_per_tensor_form():
             optimizer.step()
     for p, q in zip(fused, by_lines):  # each step moves a weight by ~1e-3: 1e-7 is 1e-4 of a step
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_resume_from_a_state_without_the_host_step_count_is_exact():
+    """AdamWScale's eps' needs the step count on the host: a state saved without it (as before the fused form)
+    takes it from the tensors' step counts when loaded, so the resumed step equals the uninterrupted one"""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(8, 4))]
+    copies = [nn.Parameter(params[0].detach().clone())]
+    opt = AdamWScale(params, lr=1e-2)
+    for _ in range(3):
+        params[0].grad = torch.randn(8, 4)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())  # as a checkpoint loads it: tensors of its own
+    del saved["param_groups"][0]["t"]
+    with torch.no_grad():
+        copies[0].copy_(params[0])
+    resumed = AdamWScale(copies, lr=1e-2)
+    resumed.load_state_dict(saved)
+    params[0].grad = torch.randn(8, 4)
+    copies[0].grad = params[0].grad.clone()
+    opt.step()
+    resumed.step()
+    assert torch.equal(copies[0], params[0])
