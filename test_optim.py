@@ -173,10 +173,11 @@ def test_make_optimizer():
     assert isinstance(make_optimizer("adamw", groups, 1e-3), torch.optim.AdamW)
 
 
-def test_compiled_step_is_exact_and_never_compiles_again(monkeypatch):
+def test_compiled_step_is_exact_and_never_compiles_again():
     """make_optimizer(compile=True): AdamWScale's update of a tensor compiled once, for tensors of every size, within
     float rounding of the eager step; then no recompile over 19 more steps of a new lr each: lr and the step count
-    are tensors, not constants in the graph"""
+    are tensors, not constants in the graph. torch.compile's stance makes a recompile an error for those steps only,
+    leaving no setting behind for the next test (as a patched dynamo config did, whichever test ran first)"""
     import torch._dynamo
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -185,15 +186,18 @@ def test_compiled_step_is_exact_and_never_compiles_again(monkeypatch):
     compiled = [nn.Parameter(p.detach().clone()) for p in eager]
     optimizers = [make_optimizer("adamwscale", [{"params": ps, "weight_decay": 0.01}], 1e-2, compile=c)
                   for ps, c in ((eager, False), (compiled, True))]
-    for step in range(20):
-        if step == 1:  # compiled in the first step: from here on, a recompile is an error
-            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+
+    def step(i):
         grads = [torch.randn(s) for s in shapes]
         for optimizer, params in zip(optimizers, (eager, compiled)):
-            optimizer.param_groups[0]["lr"].fill_(1e-2 * (step + 1) / 20)  # as train.py sets it
+            optimizer.param_groups[0]["lr"].fill_(1e-2 * (i + 1) / 20)  # as train.py sets it
             for p, g in zip(params, grads):
                 p.grad = g.clone()
             optimizer.step()
+    step(0)  # compiles
+    with torch.compiler.set_stance("fail_on_recompile"):  # from here on, a recompile is an error
+        for i in range(1, 20):
+            step(i)
     for p, q in zip(eager, compiled):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 
