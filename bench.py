@@ -269,7 +269,8 @@ if __name__ == "__main__":
         ("compare", compare != "hf" or part == "train", "'' or null with part=optim"),
         ("model", model in ("", *PRESETS), f"'' or one of {', '.join(PRESETS)}"),
         ("input_length", input_length >= 3, ">= 3"),
-        ("burn_in", burn_in >= 0, ">= 0"),
+        *[(key, globals()[key] >= 0, ">= 0") for key in ("burn_in", "batch_size", "threads",
+                                                          "peak_flops")],
         *[(key, globals()[key] > 0, "> 0") for key in ("steps", "grad_accum_steps")],
         ("table", not (table or profile) or part == "train" and not compare,
          "False with --part or --compare"),
@@ -282,7 +283,7 @@ if __name__ == "__main__":
     micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # a batch that won't split: a line
     vocab_size = T5Config.from_preset(model).vocab_size
     name = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
-    print0(f"{name} | {model} | {part} | batch {batch_size} x {input_length} | {dtype} | "
+    print0(f"{name} | {model} | {part} | batch {batch_size} x {input_length} | {rt.dtype} | "
            f"compile={compile} | random ids")
 
     if table:  # every row, or those of the dtype and compile given

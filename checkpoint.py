@@ -1,8 +1,9 @@
-"""A run's checkpoints: saved (one file, or FSDP's shards in a folder per step), found, read back
-and restored; what a run starts from (load); a new run writes over no other run's files, and a
-resume keeps its run's settings; Hugging Face's format, read and written."""
+"""A run's checkpoints: a folder per step, which torch.distributed.checkpoint writes in one process
+as on many ranks; found, read back and restored on any number of ranks; the tokenizer a model
+reads; what a run starts from; Hugging Face's format, read and written."""
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import re
@@ -11,99 +12,132 @@ import warnings
 import zipfile
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule
 
 from model import PRESETS, T5, T5Config
+from prepare import T5_SPIECE_SHA256, Tokenizer, read_tokenizer, t5_spiece
 from runtime import atomic_write, print0, rank, set_values
 
+# one process saves and loads without a process group, as it means to: no warning each time
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+
 # what a run writes into its out_dir: a new run refuses a folder that holds one of them
-RUN_FILES = ("ckpt.pt", "ckpt", "log.jsonl", "metrics.json", "predictions.jsonl")
-NOTHING_THERE = ("error: {} holds no run or weights{}: pass a run's out_dir (or its ckpt.pt or "
-                 "ckpt/), a folder of Hugging Face weights, or a Hub name like google/t5-v1_1-base")
+RUN_FILES = ("ckpt", "log.jsonl", "metrics.json", "predictions.jsonl", "ckpt.pt")
+NOTHING_THERE = ("error: {} holds no run or weights{}: pass a run's out_dir (or a step folder of "
+                 "its ckpt/), a folder of Hugging Face weights, or a Hub name like "
+                 "google/t5-v1_1-base")
 
 def check_new_run(out_dir):
-    """a new run writes into a folder that holds no other run's files"""
-    found = [path for path in (os.path.join(out_dir, name) for name in RUN_FILES) if os.path.exists(path)]
+    """a new run writes into a folder that holds no other run's files (the Logger then claims it)"""
+    found = [path for path in (os.path.join(out_dir, name) for name in RUN_FILES)
+             if os.path.exists(path)]
     if found:
+        resumable = os.path.isdir(find_checkpoint(out_dir) or "")  # a step folder
+        resume = ", or --init_from=resume to continue that run" if resumable else ""
         raise SystemExit(f"error: {found[0]} exists and this run would replace it: pass another "
-                         f"--out_dir, or --init_from=resume to continue that run")
+                         f"--out_dir{resume}")
 
 # checkpoints: saved, found, read back
 
-def save_checkpoint(out_dir, t5, optimizer, step, elapsed, config, meta, program="train.py"):
-    """All a run needs to go on where it stopped. One process (or DDP's rank 0) writes
-    out_dir/ckpt.pt, renamed over the last one once complete. Under FSDP every rank writes its
-    shards into out_dir/ckpt/step-N, once rank 0 has written state.pt there (all but the tensors):
-    torch.distributed.checkpoint writes .metadata last, marking it complete. The newest two stay."""
+def save_checkpoint(out_dir, t5, optimizer, step, elapsed, run):
+    """All a run needs to go on where it stopped, in out_dir/ckpt/step-N, torchtitan's layout, in
+    one process as on any number of ranks. Rank 0 writes state.pt (the step, the run's config, data
+    and tokenizer, every rank's RNG state), whole; then every rank writes its part of the weights
+    and optimizer state (under DDP the replicas share the writing), and torch.distributed.checkpoint
+    writes .metadata last, which marks the folder complete. The newest two complete folders stay."""
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():  # this rank's GPU's only: a resume may see another number of GPUs
         rng["cuda"] = torch.cuda.get_rng_state()
-    state = {"program": program, "model_config": dataclasses.asdict(t5.config), "step": step,
-             "elapsed": elapsed, "config": config, "meta": meta, "rng": rng}
-    if not isinstance(t5, FSDPModule):
-        if rank() == 0:
-            with atomic_write(os.path.join(out_dir, "ckpt.pt")) as f:
-                torch.save(dict(state, model=t5.state_dict(), optimizer=optimizer.state_dict()), f)
-        return
-    state["rng"] = [None] * torch.distributed.get_world_size()  # every rank's
-    torch.distributed.all_gather_object(state["rng"], rng)
+    rngs = [rng]  # every rank's
+    if dist.is_initialized():
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng)
     folder = os.path.join(out_dir, "ckpt", f"step-{step}")
     if rank() == 0:
         os.makedirs(folder, exist_ok=True)
-        torch.save(state, os.path.join(folder, "state.pt"))
-    tensors = {"model": t5.state_dict(), "optimizer": get_optimizer_state_dict(t5, optimizer)}
+        state = dict(run, model_config=dataclasses.asdict(t5.config), step=step, elapsed=elapsed,
+                     rng=rngs)
+        with atomic_write(os.path.join(folder, "state.pt")) as f:
+            torch.save(state, f)
+    tensors = {"model": get_model_state_dict(t5),
+               "optimizer": get_optimizer_state_dict(t5, optimizer)}
     dcp.save(tensors, checkpoint_id=folder)
     if rank() == 0:
-        kept = complete_steps(os.path.join(out_dir, "ckpt"))[-2:]
-        for old in set(glob.glob(os.path.join(out_dir, "ckpt", "step-*"))) - set(kept):
+        steps = step_folders(os.path.join(out_dir, "ckpt"))
+        kept = [path for path in steps if os.path.isfile(os.path.join(path, ".metadata"))][-2:]
+        for old in set(steps) - set(kept):  # and any a killed save left incomplete
             shutil.rmtree(old)
 
-def complete_steps(folder):
-    """the complete step folders of a sharded checkpoint, oldest first"""
-    steps = [os.path.dirname(mark) for mark in glob.glob(os.path.join(folder, "step-*", ".metadata"))]
-    return sorted(steps, key=lambda path: int(re.search(r"step-(\d+)$", path)[1]))
+def step_folders(folder):
+    """folder's step-<integer> folders, oldest first: a user's step-4000.bak is none of them"""
+    steps = [path for path in glob.glob(os.path.join(folder, "step-*"))
+             if re.fullmatch(r"step-\d+", os.path.basename(path))]
+    return sorted(steps, key=lambda path: int(path.rsplit("-", 1)[1]))
 
 def find_checkpoint(path):
-    """The checkpoint that path names, or None: a file (ckpt.pt), a complete step folder, or a run's
-    out_dir or ckpt/ folder: its ckpt.pt, or else its newest complete step folder."""
-    if os.path.isfile(path) or os.path.isfile(os.path.join(path, ".metadata")):
-        return path
-    if os.path.isfile(os.path.join(path, "ckpt.pt")):
-        return os.path.join(path, "ckpt.pt")
-    steps = complete_steps(path) or complete_steps(os.path.join(path, "ckpt"))
-    return steps[-1] if steps else None
+    """The checkpoint that path names, or None: for a run's out_dir or its ckpt/ folder, the newest
+    complete step folder (or ckpt/ itself, as runs before step folders wrote it); a step folder; a
+    file (an older run's ckpt.pt, whose weights a new run can start from)."""
+    for folder in (os.path.join(path, "ckpt"), path):
+        complete = [step for step in step_folders(folder)
+                    if os.path.isfile(os.path.join(step, ".metadata"))]
+        if complete or os.path.isfile(os.path.join(folder, ".metadata")):
+            return complete[-1] if complete else folder
+    for file in (os.path.join(path, "ckpt.pt"), path):
+        if os.path.isfile(file):
+            return file
 
 def load_checkpoint(path, weights=True):
-    """A checkpoint as one dict: a .pt file; or a step folder's state.pt, with 'shards' naming the
-    folder and, if weights, the whole model read from the shards into this process."""
+    """A checkpoint as one dict, with 'shards' naming its folder and, if weights, the whole model
+    read from them into this process; or an older run's ckpt.pt. A checkpoint written before they
+    carried their tokenizer gets its data folder's."""
     if os.path.isfile(path):
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-    state["shards"] = path
-    if weights:
-        tensors = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # their shapes
-        state["model"] = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
-                          for key, md in tensors.items() if key.startswith("model.")}
-        with warnings.catch_warnings():  # that it reads the whole model in one process: so it does
-            warnings.simplefilter("ignore")
-            dcp.load({"model": state["model"]}, checkpoint_id=path, no_dist=True)
-    return state
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception as e:  # a README, a damaged file
+            raise SystemExit(NOTHING_THERE.format(path, f" ({type(e).__name__})")) from None
+        if not isinstance(ckpt, dict) or not {"model", "model_config", "meta"} <= ckpt.keys():
+            raise SystemExit(NOTHING_THERE.format(path, " (a file, but no run's ckpt.pt)"))
+    else:
+        ckpt = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+        ckpt["shards"] = path
+    if weights and "model" not in ckpt:
+        shapes = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        ckpt["model"] = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
+                         for key, md in shapes.items() if key.startswith("model.")}
+        dcp.load({"model": ckpt["model"]}, checkpoint_id=path, no_dist=True)  # in this process
+    if "tokenizer" not in ckpt:
+        meta = ckpt["meta"]  # None: Hugging Face weights were the start, with T5's tokenizer
+        file = meta and os.path.join(meta["data_dir"], meta["tokenizer_file"])
+        if file and not os.path.isfile(file):
+            raise SystemExit(f"error: {path} reads the tokenizer of its data folder, and {file} is "
+                             f"gone: put the folder back there, or prepare it again")
+        ckpt["tokenizer"] = read_tokenizer(file).spiece if file else None
+    return ckpt
 
-def load_resume(out_dir, program, fsdp, config, meta, fixed):
-    """The newest checkpoint of out_dir's run, which --init_from=resume continues: one its program
-    wrote, of the format this run writes, with the keys in `fixed` (what its weights and optimizer
-    state were made with) and its data's settings unchanged. Under FSDP its shards stay on disk."""
-    wanted = os.path.join(out_dir, "ckpt" if fsdp else "ckpt.pt")
-    path = find_checkpoint(wanted)
+def load_resume(out_dir, program, config, meta, fixed):
+    """The newest checkpoint of out_dir's run, which --init_from=resume continues on any number of
+    ranks: the same on each, one its program wrote, with the keys in `fixed` (what its weights and
+    optimizer state were made with) and its data's settings unchanged. Its shards stay on disk."""
+    path = find_checkpoint(out_dir)
+    found = [path]
+    if dist.is_initialized():  # every rank's, in one all-gather: a node that sees another folder
+        found = [None] * dist.get_world_size()  # would load another state, or wait for the others
+        dist.all_gather_object(found, path)
+    if len(set(found)) > 1:
+        raise SystemExit(f"error: the ranks found different checkpoints in {out_dir} "
+                         f"({', '.join(sorted(map(str, set(found))))}): out_dir must be a folder "
+                         f"every node sees")
     if path is None:
-        other = find_checkpoint(out_dir)  # of the other format
-        fix = "leave fsdp off" if fsdp else "pass --fsdp=True under torchrun"
-        raise SystemExit(f"error: no checkpoint to resume at {wanted}" +
-                         (f"; {other} is another format's: {fix}" if other else ": train one first"))
-    ckpt = load_checkpoint(path, weights=not fsdp)
+        raise SystemExit(f"error: no checkpoint to resume in {out_dir}: train one first")
+    if os.path.isfile(path):
+        raise SystemExit(f"error: {path} is an older run's checkpoint file, which a resume does "
+                         f"not continue: start from its weights with --init_from={path} in another "
+                         f"--out_dir")
+    ckpt = load_checkpoint(path, weights=False)
     if ckpt.get("program") != program:
         writer = ckpt.get("program") or "another program"
         raise SystemExit(f"error: {path} was written by {writer}, and {program} resumes only its "
@@ -125,48 +159,94 @@ def load_resume(out_dir, program, fsdp, config, meta, fixed):
     print0(f"resuming from {path} at step {ckpt['step']}{changed}")
     return ckpt
 
+def diverged(out_dir, step):
+    """the line of a run whose loss or grad norm became NaN or inf, with a fix that works"""
+    fix = ("resume" if find_checkpoint(out_dir) else
+           "no checkpoint yet: start again in a new --out_dir")
+    return SystemExit(f"error: the loss or grad norm became NaN or inf by step {step}: training "
+                      f"diverged; {fix} with a lower lr or grad_clip")
+
 def restore_state(ckpt, t5, optimizer):
-    """A resumed run's optimizer state and RNG; returns (its steps done, its training seconds). From
-    shards each rank reads its own, on any number of ranks (the RNG states then repeat)."""
-    if "shards" in ckpt:
-        state = {"optimizer": get_optimizer_state_dict(t5, optimizer)}  # the layout to fill
-        dcp.load(state, checkpoint_id=ckpt["shards"])
-        set_optimizer_state_dict(t5, optimizer, state["optimizer"])
-    else:
-        optimizer.load_state_dict(ckpt["optimizer"])
-    rng = ckpt["rng"]
-    if isinstance(rng, list):  # every rank's
-        rng = rng[rank() % len(rng)]
+    """A resumed run's optimizer state and RNG; returns (its steps done, its training seconds). Each
+    rank reads its own part, on any number of ranks (the RNG states then repeat)."""
+    state = {"optimizer": get_optimizer_state_dict(t5, optimizer)}  # the layout to fill
+    dcp.load(state, checkpoint_id=ckpt["shards"])
+    set_optimizer_state_dict(t5, optimizer, state["optimizer"])  # a step count saved as float64 too
+    rng = ckpt["rng"][rank() % len(ckpt["rng"])]
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     return ckpt["step"], ckpt["elapsed"]
 
+# the tokenizer a model reads: the one its checkpoint carries; Hugging Face's weights' spiece.model
+
+def tokenizer_sha256(ckpt):
+    """what names a checkpoint's tokenizer: its bytes' sha256; None (Hugging Face weights without a
+    spiece.model) is T5's"""
+    return hashlib.sha256(ckpt["tokenizer"]).hexdigest() if ckpt["tokenizer"] else T5_SPIECE_SHA256
+
+def check_tokenizer(ckpt, meta, source):
+    """a model meets data: it must have been trained with the data's tokenizer, into whose vocab it
+    reads, or each id would mean another piece to it"""
+    sha256, vocab_size = tokenizer_sha256(ckpt), ckpt["model_config"]["vocab_size"]
+    if (sha256, vocab_size) != (meta["tokenizer_sha256"], meta["model_vocab_size"]):
+        raise SystemExit(f"error: {source} was trained with another tokenizer (sha256 "
+                         f"{sha256[:12]}, model vocab {vocab_size}) than {meta['data_dir']}'s "
+                         f"(sha256 {meta['tokenizer_sha256'][:12]}, {meta['model_vocab_size']}): "
+                         f"prepare the data with the model's own tokenizer (prepare.py "
+                         f"--tokenizer=t5 for Google's T5s, or an export's spiece.model)")
+
+def tokenizer_of(ckpt, source):
+    """The tokenizer of a checkpoint's model: the one it carries; for Hugging Face weights the
+    spiece.model beside them, or else T5's. It must make the model's vocab."""
+    vocab_size = ckpt["model_config"]["vocab_size"]
+    if ckpt["tokenizer"] is None and vocab_size != 32128:  # T5's tokenizer's, padded
+        raise SystemExit(f"error: {source} holds no spiece.model, and its vocab of {vocab_size} "
+                         f"is not T5's tokenizer's: copy the model's tokenizer there as "
+                         f"spiece.model")
+    tok = Tokenizer(ckpt["tokenizer"]) if ckpt["tokenizer"] else read_tokenizer(t5_spiece())
+    if tok.model_vocab_size != vocab_size:
+        raise SystemExit(f"error: the tokenizer of {source} is not the model's: its "
+                         f"{tok.vocab_size} ids (sentinels included) make a model vocab of "
+                         f"{tok.model_vocab_size}, not its vocab_size {vocab_size}; use the "
+                         f"tokenizer the model was trained with")
+    return tok
+
 # what a run starts from: its own checkpoint, a run's, Hugging Face weights, or nothing
 
-def start_from(init_from, out_dir, program, fsdp, config, meta, fixed, preset=None):
-    """What a run starts from: for 'resume' its out_dir's newest checkpoint (load_resume); for a
-    new run, in an out_dir free of other runs' files, what init_from names (load); None: scratch"""
+def start_from(init_from, out_dir, program, config, meta, fixed, preset=None, fsdp=False):
+    """What a run starts from: for 'resume' its out_dir's newest checkpoint (load_resume); for a new
+    run, in an out_dir free of other runs' files, what init_from names (load), or None (scratch).
+    With meta (train.py's data), the weights' tokenizer must be the data's."""
+    if init_from.lower() in ("resume", "scratch") and init_from not in ("resume", "scratch"):
+        raise SystemExit(f"error: --init_from={init_from} names no run or weights here: did you "
+                         f"mean --init_from={init_from.lower()}?")
     if init_from == "resume":
-        return load_resume(out_dir, program, fsdp, config, meta, fixed)
-    check_new_run(out_dir)
-    if init_from != "scratch":
+        ckpt = load_resume(out_dir, program, config, meta, fixed)
+    else:
+        check_new_run(out_dir)
+        if init_from == "scratch":
+            return None
         print0(f"a new run from the weights of {init_from}")
-        return load(init_from, fsdp, preset)
+        ckpt = load(init_from, fsdp, preset)
+    if meta:
+        check_tokenizer(ckpt, meta, ckpt.get("shards") or init_from)
+    return ckpt
 
 def load(init_from, fsdp=False, preset=None):
     """What a new run (or sample.py, export.py) starts from, as a checkpoint: model_config, meta (a
-    run's data, or None) and the weights. init_from is a run of train.py or finetune.py (its
-    out_dir, ckpt.pt, ckpt/ or a step folder) or Hugging Face weights (a folder, a Hub name), of
-    the shape of the model preset if one is given. No rank holds the whole model: under FSDP a
-    run's shards stay on disk, for each rank to read its own; other weights are mapped from their
-    files, not read, until load_weights copies out what the rank keeps."""
+    run's data, or None), tokenizer and the weights. init_from is a run of train.py or finetune.py
+    (its out_dir, ckpt/ or a step folder, or an older run's ckpt.pt) or Hugging Face weights (a
+    folder, a Hub name), of the shape of the model preset if one is given. No rank holds the whole
+    model: under FSDP a run's shards stay on disk, for each rank to read its own; other weights are
+    mapped from their files, not read, until load_weights copies out what the rank keeps."""
     path = find_checkpoint(init_from)
     if path:
         ckpt = load_checkpoint(path, weights=not fsdp)
     else:
-        config, weights = read_hf(init_from)
-        ckpt = {"model_config": dataclasses.asdict(config), "model": weights, "meta": None}
+        config, weights, tokenizer = read_hf(init_from)
+        ckpt = {"model_config": dataclasses.asdict(config), "model": weights, "meta": None,
+                "tokenizer": tokenizer}
     theirs = [name for name, shape in PRESETS.items() if shape.items() <= ckpt["model_config"].items()]
     if preset and preset not in theirs:
         fix = f"pass --model={theirs[0]}" if theirs else "add their shape to model.py's PRESETS"
@@ -175,9 +255,9 @@ def load(init_from, fsdp=False, preset=None):
     return ckpt
 
 def load_weights(model, ckpt):
-    """model, placed, with a checkpoint's weights: from FSDP's shards each rank reads its own
-    slices; from a whole state dict, its tensors mapped from their files, each rank copies out its
-    own, tensor by tensor (runtime.set_values), and so reads only those"""
+    """model, placed, with a checkpoint's weights: from its shards each rank reads its own slices
+    (under DDP, all); from a whole state dict, its tensors mapped from their files, each rank copies
+    out its own, tensor by tensor (runtime.set_values), and so reads only those"""
     if "model" in ckpt:
         for name, p in model.state_dict().items():
             set_values(p, ckpt["model"][name])
@@ -221,13 +301,23 @@ def hf_names(model):
             yield name, name.replace('ln_f', 'final_layer_norm')
 
 def read_hf(name_or_dir):
-    """(T5Config, state dict in our names) of a gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt,
-    nanoT5) from a Hub id, or a folder of config.json and model.safetensors or pytorch_model.bin"""
+    """(T5Config, state dict in our names, the spiece.model beside them or None: T5's) of a
+    gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5) from a Hub id, or a folder of config.json
+    and model.safetensors or pytorch_model.bin"""
     folder = name_or_dir if os.path.isdir(name_or_dir) else download(name_or_dir)
     if not os.path.isfile(os.path.join(folder, 'config.json')):
         raise SystemExit(NOTHING_THERE.format(name_or_dir, ""))
     with open(os.path.join(folder, 'config.json')) as f:
         hf = json.load(f)
+    tokenizer = None
+    if os.path.isfile(os.path.join(folder, 'spiece.model')):
+        with open(os.path.join(folder, 'spiece.model'), 'rb') as f:
+            tokenizer = f.read()
+    recorded = hf.get('tokenizer_sha256')  # export.py's: the tokenizer the model was trained with
+    if recorded and recorded != (tokenizer and hashlib.sha256(tokenizer).hexdigest()):
+        raise SystemExit(f"error: {folder}/spiece.model is not the tokenizer its config.json "
+                         f"records (tokenizer_sha256 {recorded[:12]}): copy the model's own "
+                         f"tokenizer there")
     if hf.get('feed_forward_proj', 'relu') != 'gated-gelu':
         raise SystemExit(f"error: {name_or_dir} is not a gated-GELU T5, which model.py implements "
                          f"(t5-v1_1, flan-t5, t5-lm-adapt, nanoT5)")
@@ -246,10 +336,12 @@ def read_hf(name_or_dir):
         ours = {hf_name: name for name, hf_name in hf_names(T5(config))}
     state_dict = {ours.get(k, k): v for k, v in state_dict.items() if k not in HF_REDUNDANT}
     state_dict['lm_head.weight'] = lm_head
-    return config, state_dict
+    return config, state_dict, tokenizer
 
-def save_pretrained(model, folder):
-    """config.json and model.safetensors, which transformers' T5ForConditionalGeneration reads"""
+def save_pretrained(model, folder, tokenizer=None):
+    """config.json and model.safetensors, which transformers' T5ForConditionalGeneration reads, and
+    the tokenizer (a sentencepiece model's bytes; None: T5's) as spiece.model, recorded in
+    config.json; each file written whole, config.json last: a folder without it is no weights"""
     from safetensors.torch import save
     c = model.config
     state_dict = model.state_dict()
@@ -261,6 +353,10 @@ def save_pretrained(model, folder):
               is_encoder_decoder=True, initializer_factor=1.0, use_cache=True,
               scale_decoder_outputs=c.output_scaling != 1.0)
     os.makedirs(folder, exist_ok=True)
+    if tokenizer:
+        hf['tokenizer_sha256'] = hashlib.sha256(tokenizer).hexdigest()
+        with atomic_write(os.path.join(folder, 'spiece.model')) as f:
+            f.write(tokenizer)
     with atomic_write(os.path.join(folder, 'model.safetensors')) as f:
         f.write(save(tensors, metadata={'format': 'pt'}))
     with atomic_write(os.path.join(folder, 'config.json'), 'w') as f:
@@ -273,7 +369,8 @@ def download(repo_id):
     from huggingface_hub import snapshot_download
     try:  # offline, an unknown or a gated repo: in seconds, not after minutes of retries
         for weights in ('*.safetensors', 'pytorch_model*.bin'):  # the older format if no other
-            folder = snapshot_download(repo_id, allow_patterns=['config.json', weights], etag_timeout=5)
+            files = ['config.json', 'spiece.model', weights]
+            folder = snapshot_download(repo_id, allow_patterns=files, etag_timeout=5)
             if glob.glob(os.path.join(folder, weights)):
                 break
     except Exception as e:

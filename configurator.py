@@ -10,7 +10,7 @@ import sys as _sys
 
 def _set(key, value, where):
     if key not in _defaults:
-        close = _difflib.get_close_matches(key, _defaults, n=1)
+        close = _difflib.get_close_matches(key.lower(), _defaults, n=1)
         raise SystemExit(f"error: unknown config key '{key}' in {where}"
                          + (f" (did you mean '{close[0]}'?)" if close else ""))
     default = _defaults[key]
@@ -28,6 +28,9 @@ def _set(key, value, where):
 # the script's config keys: its lower-case globals of these types (UPPER_CASE names are constants)
 _defaults = {k: v for k, v in globals().items()
              if not k.startswith("_") and not k.isupper() and isinstance(v, (int, float, bool, str))}
+for _arg in _sys.argv[1:]:  # a value after a space would be read as a config file
+    if _arg.startswith("--") and "=" not in _arg:
+        raise SystemExit(f"error: '{_arg}' needs a value: write {_arg}=value")
 for _arg in [arg for arg in _sys.argv[1:] if not arg.startswith("--")]:  # config files first
     try:
         exec(open(_arg, encoding="utf-8").read(), _file := {})
@@ -41,9 +44,7 @@ for _arg in [arg for arg in _sys.argv[1:] if not arg.startswith("--")]:  # confi
     for _key, _value in _file.items():
         _set(_key, _value, _arg)
 for _arg in [arg for arg in _sys.argv[1:] if arg.startswith("--")]:  # then --key=value
-    _key, _equals, _value = _arg[2:].partition("=")
-    if not _equals:
-        raise SystemExit(f"error: '{_arg}' needs a value: write --key=value")
+    _key, _value = _arg[2:].split("=", 1)
     if not isinstance(_defaults.get(_key), str):  # a number or a bool; a word stays a word
         try:
             _value = _ast.literal_eval(_value)

@@ -2,8 +2,7 @@
 The training-time data path: a prepared folder's windows of tokens, span-corrupted into T5's
 (inputs, targets); the batch of every step, built ahead in a thread; what an evaluation measures.
     data = SpanCorruptionBatches("data/pydoc", "train", batch_size=16, input_length=128,
-                                 noise_density=0.15, mean_noise_span_length=3.0, seed=1337,
-                                 vocab_size=1152)
+                                 noise_density=0.15, mean_noise_span_length=3.0, seed=1337)
     input_ids, labels = data.get(step)  # (16, 128) and (16, 29): the batch of any step, at any time
 """
 import functools
@@ -112,12 +111,8 @@ class SpanCorruptionBatches:
     """Span-corrupted batches of a prepared folder's windows of raw_length tokens. Row r of step
     k's global batch is a function of (seed, k, r): resuming, more GPUs, micro-steps change nothing."""
     def __init__(self, data_dir, split, batch_size, input_length, noise_density,
-                 mean_noise_span_length, seed, vocab_size):
+                 mean_noise_span_length, seed):
         self.meta = load_meta(data_dir)
-        if vocab_size != self.meta["model_vocab_size"]:
-            raise SystemExit(f"error: {data_dir} was tokenised for a model vocab of "
-                             f"{self.meta['model_vocab_size']}, but the model's vocab_size is "
-                             f"{vocab_size}: use data prepared with the model's tokenizer")
         self.split = split
         self.batch_size = batch_size
         self.noise_density = noise_density
@@ -134,7 +129,6 @@ class SpanCorruptionBatches:
                                  f"or cut): delete {data_dir} and prepare it again with "
                                  f"`{prepare_command(self.meta['settings'], data_dir)}`")
         self.shards = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.paths]
-        self.vocab_size = vocab_size
         self.checked = set()  # the shards whose ids were checked, each when a step first reads it
         windows = [len(s) // self.raw_length for s in self.shards]  # each shard's, not overlapping
         self.num_windows = sum(windows)
@@ -168,10 +162,10 @@ class SpanCorruptionBatches:
         rows = range(first_row, first_row + b)
         shards, starts = self.window_of(step * self.batch_size + np.array(rows))
         for s in set(shards.tolist()) - self.checked:  # a shard's ids, once, where they enter
-            if self.shards[s].max() >= self.vocab_size:
+            if self.shards[s].max() >= self.meta["vocab_size"]:
                 raise SystemExit(f"error: {self.paths[s]} holds token id {self.shards[s].max()}, "
-                                 f"beyond the model's vocab_size {self.vocab_size}: it is another "
-                                 f"tokenizer's")
+                                 f"beyond its tokenizer's {self.meta['vocab_size']} ids: it is "
+                                 f"another tokenizer's")
             self.checked.add(s)
         raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shards, starts)])
         stream = [self.seed, TRAIN_SPANS] if self.split == "train" else [VAL_SPANS]

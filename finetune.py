@@ -26,14 +26,13 @@ import runtime
 from data import micro_batch_size
 from model import T5, T5Config
 from optim import OPTIMIZERS, make_optimizer, param_groups
-from prepare import load_tokenizer
 from runtime import atomic_write, print0
 
 # -------------------------------------------------------------------------------------------------
 # default config: nanoT5's fine-tuning run (task/ft.yaml) on Tk-Instruct's data
 # I/O
 data_dir = "natural-instructions"  # a clone of allenai/natural-instructions
-init_from = "out/ckpt.pt"  # a run of train.py or finetune.py, Hugging Face weights, or 'resume'
+init_from = "out"  # a run of train.py or finetune.py, Hugging Face weights, or 'resume'
 out_dir = "out/finetune"
 eval_only = False  # only evaluate init_from on the test tasks
 # data
@@ -193,28 +192,31 @@ if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     runtime.check_config(config, [
         ("optimizer", optimizer in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
+        ("out_dir", out_dir and not os.path.isfile(out_dir), "a folder's path"),
         ("dropout", 0 <= dropout < 1, "in [0, 1)"),
         ("grad_clip", grad_clip >= 0, ">= 0 (0: no clipping)"),
         ("max_steps", max_steps >= 0, ">= 0 (0: epochs)"),
         ("eval_interval", eval_interval >= 0, ">= 0 (0: at the end)"),
+        ("seed", 0 <= seed < 2**32, "in [0, 2**32), as numpy takes it"),
+        *[(key, globals()[key] >= 0, ">= 0") for key in ("weight_decay", "num_pos_examples")],
         *[(key, globals()[key] > 0, "> 0") for key in (
             "lr", "batch_size", "grad_accum_steps", "epochs", "log_interval", "checkpoint_interval",
-            "max_input_length", "max_target_length", "eval_batch_size", "max_new_tokens")],
+            "max_input_length", "max_target_length", "eval_batch_size", "max_new_tokens",
+            "max_num_instances_per_task")],
     ])
     sni_split(data_dir, "test")
     rt = runtime.setup_runtime(device, dtype, seed, fsdp)
     micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
-    # the model, and the tokenizer it was pre-trained with: this run's newest checkpoint, or what
-    # init_from names; a new run writes over no other run's files
+    # the model, and the tokenizer it was pre-trained with, which its checkpoint carries: this
+    # run's newest checkpoint, or what init_from names; a new run writes over no other run's files
     resuming = init_from == "resume"
-    ckpt = checkpoint.start_from(init_from, out_dir, "finetune.py", fsdp, config, None,
-                                 fixed=("optimizer",))
-    meta = ckpt["meta"]  # the pre-training data's, whose tokenizer the model reads; None: T5's
+    ckpt = checkpoint.start_from(init_from, out_dir, "finetune.py", config, None,
+                                 fixed=("optimizer", "weight_decay"), fsdp=fsdp)
+    tokenizer = checkpoint.tokenizer_of(ckpt, init_from)
     with torch.device("meta"):
         model = T5(dataclasses.replace(T5Config(**ckpt["model_config"]), dropout=dropout))
     train_model = runtime.wrap_model(model, rt, fsdp, compile, dynamic=True)  # of many lengths
     checkpoint.load_weights(model, ckpt)
-    tokenizer = load_tokenizer(meta, init_from, model.config.vocab_size)
     print0(f"{model.num_params() / 1e6:.1f}M parameters from {init_from}")
 
     def tokenized_split(split):
@@ -235,6 +237,8 @@ if __name__ == "__main__":
     step, elapsed = checkpoint.restore_state(ckpt, model, opt) if resuming else (0, 0.0)
     for group in opt.param_groups:
         group["lr"].fill_(lr)  # a resume's --lr, not its checkpoint's
+    # what its checkpoints record besides the state: the pre-training data's meta, the tokenizer
+    run = dict(program="finetune.py", config=config, meta=ckpt["meta"], tokenizer=tokenizer.spiece)
     ckpt = None  # free the checkpoint's copy of the weights
     logger = runtime.Logger(out_dir, rt.master, step if resuming else None)
 
@@ -315,8 +319,7 @@ if __name__ == "__main__":
             mean_loss, nonfinite, signalled = runtime.agree(rt, train_loss / rt.world_size,
                                                             nonfinite, signals.caught)
             if nonfinite:
-                raise SystemExit(f"error: the loss became NaN or inf after step {last_log}: "
-                                 f"training diverged; resume with a lower lr")
+                raise checkpoint.diverged(out_dir, step)
             last_step = last_step or signalled > 0
             dt = (time.time() - t_log) / (step - last_log)
             elapsed += time.time() - t_log
@@ -327,12 +330,12 @@ if __name__ == "__main__":
                    f"loss {mean_loss:.4f} | grad norm {grad_norm.item():.3f} | "
                    f"{1000 * dt:.0f} ms/step | eta {(max_steps - step) * dt / 3600:.2f} h")
             if last_step or step % checkpoint_interval == 0:
-                checkpoint.save_checkpoint(out_dir, model, opt, step, elapsed, config, meta,
-                                           "finetune.py")
+                runtime.set_timeout(rt, runtime.START_TIMEOUT)  # the ranks wait for the slowest
+                checkpoint.save_checkpoint(out_dir, model, opt, step, elapsed, run)
             if signalled:
                 print0(f"stopped by signal at step {step}: continue with --init_from=resume")
-        if eval_interval and step % eval_interval == 0 and step < max_steps:
-            evaluate()
+        if eval_interval and step % eval_interval == 0 and not last_step:  # no evaluation after a
+            evaluate()  # signal's save, and the last step's comes after the loop
     signals.release()
     if step == max_steps:
         evaluate()

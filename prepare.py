@@ -8,6 +8,7 @@ meta.json and its tokenizer. data.py makes the batches.
 out_dir gets train_000.bin, ..., val.bin, the tokenizer and meta.json, which says what each file
 holds: killed, the same command continues from the last finished shard.
 """
+import hashlib
 import io
 import itertools
 import json
@@ -27,6 +28,8 @@ from runtime import atomic_write, check_config
 
 NUM_SENTINELS = 100
 MAX_VOCAB_SIZE = (1 << 16) - NUM_SENTINELS  # ids are stored as uint16
+# T5 v1.1's spiece.model (t5-v1_1, flan-t5, nanoT5), as the Hub serves it: the sha256 of its bytes
+T5_SPIECE_SHA256 = "d60acb128cf7b7f2536e8f38a5b18a05535c9e14c7a355904270e15b0945ea86"
 # -------------------------------------------------------------------------------------------------
 # default config for `python prepare.py`; --key=value overrides these
 dataset = "c4"  # 'c4', a Hub dataset, a .txt/.jsonl/.json/.parquet file (or .gz), 'pydoc' (offline)
@@ -84,7 +87,7 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
         meta = {"settings": settings, **write_tokenizer(tokenizer, vocab_size, out_dir, docs),
                 "val": [], "shards": [], "complete": False}
         save()
-    tok = Tokenizer(os.path.join(out_dir, meta["tokenizer_file"]))
+    tok = load_tokenizer(dict(meta, data_dir=out_dir))
     write_shards(docs("val"), tok, num_proc, meta["val"], max_val_tokens, max_val_tokens, save,
                  lambda i: os.path.join(out_dir, "val.bin"), "val")
     write_shards(docs("train"), tok, num_proc, meta["shards"], shard_tokens,
@@ -102,26 +105,21 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
     return meta
 
 def write_tokenizer(tokenizer, vocab_size, out_dir, docs):
-    """a new folder's tokenizer, tokenizer.model, as meta.json records it"""
+    """a new folder's tokenizer, tokenizer.model, and what meta.json records of it"""
     if tokenizer == "train":
         print(f"training a {vocab_size}-piece sentencepiece model on the corpus")
-        spiece = train_spiece(docs("train"), vocab_size)
+        tok = Tokenizer(train_spiece(docs("train"), vocab_size))
     else:
         source = t5_spiece() if tokenizer == "t5" else tokenizer
         if not os.path.isfile(source):
             raise SystemExit(f"error: tokenizer '{tokenizer}' is not t5, train or a .model file")
-        Tokenizer(source)  # a sentencepiece model: read before it is copied
-        with open(source, "rb") as f:
-            spiece = f.read()
-    file = "tokenizer.model"
-    with atomic_write(os.path.join(out_dir, file)) as f:
-        f.write(spiece)
-    tok = Tokenizer(os.path.join(out_dir, file))
+        tok = read_tokenizer(source)  # a sentencepiece model: read before it is copied
     if tok.vocab_size > 1 << 16:
         raise SystemExit(f"error: the tokenizer's {tok.vocab_size} ids don't fit uint16: use at "
                          f"most {MAX_VOCAB_SIZE}")
-    return {"tokenizer_file": file, "model_vocab_size": tok.model_vocab_size,
-            **{key: getattr(tok, key) for key in ("vocab_size", "eos_id", "pad_id", "first_sentinel_id")}}
+    with atomic_write(os.path.join(out_dir, "tokenizer.model")) as f:
+        f.write(tok.spiece)
+    return {"tokenizer_file": "tokenizer.model", **tok.identity()}
 
 def shard_name(i):
     return f"train_{i:03d}.bin"
@@ -250,9 +248,13 @@ def hub_check(repo_id, repo_type, hint):
 # the tokenizer: sentencepiece's, with 100 sentinels appended to its vocab
 
 class Tokenizer:
-    """A sentencepiece model_file as T5 has it: pad 0, eos 1, unk 2, <extra_id_i> = pieces + 99 - i"""
-    def __init__(self, model_file):
-        self.sp = spm.SentencePieceProcessor(model_file=model_file)
+    """A sentencepiece model (spiece: its file's bytes) as T5 has it: pad 0, eos 1, unk 2,
+    <extra_id_i> = pieces + 99 - i. The sha256 of those bytes names it: two tokenizers of one vocab
+    size may give an id two meanings."""
+    def __init__(self, spiece):
+        self.spiece = spiece
+        self.sha256 = hashlib.sha256(spiece).hexdigest()
+        self.sp = spm.SentencePieceProcessor(model_proto=spiece)
         self.vocab_size = self.sp.get_piece_size() + NUM_SENTINELS
         self.eos_id, self.pad_id, self.unk_id = self.sp.eos_id(), self.sp.pad_id(), self.sp.unk_id()
         self.first_sentinel_id = self.vocab_size - 1
@@ -262,6 +264,11 @@ class Tokenizer:
     def model_vocab_size(self):
         """the vocab of a model trained with this tokenizer: its ids, padded for fast matmuls"""
         return math.ceil(self.vocab_size / 128) * 128
+
+    def identity(self):  # what meta.json records of it, checked each time the folder is read
+        keys = ("tokenizer_sha256", "vocab_size", "model_vocab_size", "eos_id", "pad_id",
+                "first_sentinel_id")
+        return {key: getattr(self, key.removeprefix("tokenizer_")) for key in keys}
 
     def encode_documents(self, texts):
         """(uint16 ids of all texts, each followed by EOS; each one's length)"""
@@ -306,6 +313,14 @@ class Tokenizer:
         return {"input": start + text + " ...",
                 "model": self.decode(fill[:self.shown_length(fill, num_spans)]).strip(),
                 "truth": self.decode(truth[:self.shown_length(truth, num_spans)]).strip()}
+
+def read_tokenizer(path):
+    with open(path, "rb") as f:
+        spiece = f.read()
+    try:
+        return Tokenizer(spiece)
+    except RuntimeError:  # sentencepiece's "INTERNAL: ... ParseFromArray"
+        raise SystemExit(f"error: {path} is not a sentencepiece model") from None
 
 def t5_spiece():
     """T5 v1.1's sentencepiece model (flan-t5 and nanoT5 share it), from the Hub or its cache"""
@@ -359,38 +374,35 @@ def load_meta(data_dir):
                          f"`{prepare_command(meta['settings'], data_dir)}`")
     meta.update(data_dir=os.path.abspath(data_dir), source=meta["settings"]["dataset"],
                 train_shards=list(map(shard_name, range(len(meta["shards"])))))
+    meta.setdefault("tokenizer_sha256", load_tokenizer(meta).sha256)  # checked against meta.json
     for split, files in (("train", meta["shards"]), ("val", meta["val"])):
         meta[f"{split}_tokens"] = sum(file["tokens"] for file in files)
         cut = files[-1]["next_offset"] > 0  # the last file ends inside a document
         meta[f"{split}_documents"] = files[-1]["next_doc"] + cut
     return meta
 
-def load_tokenizer(meta, hf_folder="", vocab_size=None):
-    """A prepared folder's tokenizer, from its meta; without one, T5's: the spiece.model in
-    hf_folder (Hugging Face weights), or the Hub's. With vocab_size, a model's: the tokenizer must
-    make that vocab, or the model would read garbage, its sentinels at other ids."""
-    if meta:
-        source = meta["data_dir"]
-        tok = Tokenizer(os.path.join(source, meta["tokenizer_file"]))
-    else:
-        source = hf_folder
-        spiece = os.path.join(hf_folder, "spiece.model")
-        if not os.path.isfile(spiece) and vocab_size not in (None, 32128):  # T5's tokenizer's vocab
-            raise SystemExit(f"error: {hf_folder} holds no spiece.model, and its vocab of "
-                             f"{vocab_size} is not T5's tokenizer's: copy the model's tokenizer "
-                             f"there as spiece.model")
-        tok = Tokenizer(spiece if os.path.isfile(spiece) else t5_spiece())
-    if vocab_size not in (None, tok.model_vocab_size):
-        raise SystemExit(f"error: the tokenizer of {source} is not the model's: its "
-                         f"{tok.vocab_size} ids (sentinels included) make a model vocab of "
-                         f"{tok.model_vocab_size}, not its vocab_size {vocab_size}; use the "
-                         f"tokenizer the model was trained with")
+def load_tokenizer(meta):
+    """A prepared folder's tokenizer, which must be the one its meta.json records: another's ids
+    mean other pieces, and a wrong EOS would end every row with another token."""
+    path = os.path.join(meta["data_dir"], meta["tokenizer_file"])
+    tok = read_tokenizer(path)
+    recorded = dict(tok.identity(), **meta)  # a folder prepared before sha256s: its file's
+    wrong = [f"{key} {recorded[key]} in meta.json, {value} in the tokenizer"
+             for key, value in tok.identity().items() if recorded[key] != value]
+    if wrong:
+        raise SystemExit(f"error: {path} is not the tokenizer {meta['data_dir']}/meta.json records "
+                         f"({wrong[0]}): delete {meta['data_dir']} and prepare it again with "
+                         f"`{prepare_command(meta['settings'], meta['data_dir'])}`")
     return tok
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-    check_config(config, [("vocab_size", 0 < vocab_size <= MAX_VOCAB_SIZE, f"in [1, {MAX_VOCAB_SIZE}]"),
-             ("val_fraction", 0 < val_fraction < 1, "in (0, 1)"),
-             ("max_train_tokens", max_train_tokens >= 0, ">= 0 (0: all)"),
-             *[(key, globals()[key] > 0, "> 0") for key in ("num_proc", "shard_tokens", "max_val_tokens")]])
+    check_config(config, [
+        ("vocab_size", 0 < vocab_size <= MAX_VOCAB_SIZE, f"in [1, {MAX_VOCAB_SIZE}]"),
+        ("out_dir", out_dir and not os.path.isfile(out_dir), "a folder's path"),
+        ("val_fraction", 0 < val_fraction < 1, "in (0, 1)"),
+        ("max_train_tokens", max_train_tokens >= 0, ">= 0 (0: all)"),
+        # meta.json lists every shard and is written again after each: 2 MB shards at the least
+        ("shard_tokens", shard_tokens >= 1_000_000, ">= 1,000,000"),
+        *[(key, globals()[key] > 0, "> 0") for key in ("num_proc", "max_val_tokens")]])
     prepare(**config)

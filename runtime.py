@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -34,12 +35,18 @@ def check_config(config, rules):
 
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
-    """a file written whole or not at all: into path.tmp, renamed over path once complete"""
-    with open(path + ".tmp", mode) as f:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    """a file written whole or not at all: into a temporary file of this writer's own, renamed over
+    path once complete and on disk; a failed write leaves nothing behind"""
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, mode.replace("w", "x")) as f:  # created here: no other writer's
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 # the device, its float modes, and MFU
 
@@ -395,12 +402,20 @@ class Signals:
 # the log
 
 class Logger:
-    """One JSON object per event in out_dir/log.jsonl (rank 0). A resume first drops what was
+    """One JSON object per event in out_dir/log.jsonl (rank 0). A new run creates it before writing
+    anything else, exclusively (O_EXCL, atomic on local disks and NFS v3+): of two runs started
+    together in one out_dir, one goes on and the other stops here. A resume first drops what was
     logged after its checkpoint, and a last line a kill cut short."""
 
     def __init__(self, out_dir, master=True, resume_step=None):
         self.path = os.path.join(out_dir, "log.jsonl") if master else None
         os.makedirs(out_dir, exist_ok=True)
+        if master and resume_step is None:
+            try:
+                open(self.path, "x").close()
+            except FileExistsError:
+                raise SystemExit(f"error: {self.path} was just made by another run started in "
+                                 f"{out_dir}: pass another --out_dir") from None
         if master and resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
                 lines = [line for line in f if line.endswith("\n")]

@@ -3,18 +3,19 @@ Fills in the sentinels of a text with a trained T5: nanoGPT's sample.py, for spa
     python sample.py --init_from=out/t5_tiny --text="The <extra_id_0> is a small <extra_id_1> ."
     python sample.py --init_from=out/t5_tiny  # held-out windows of the run's data, and the truth
     python sample.py --init_from=google/t5-v1_1-base --text="Thank you <extra_id_0> me to a party."
-init_from: a run of train.py or finetune.py (its out_dir, ckpt.pt or ckpt/), read with its own
-tokenizer, or Hugging Face weights (a Hub name, or a folder such as export.py writes), read with the
-spiece.model beside them or else T5's. The model's fills are shown [in brackets] at the sentinels.
+init_from: a run of train.py or finetune.py (its out_dir, ckpt/ or a step folder), read with the
+tokenizer its checkpoint carries, or Hugging Face weights (a Hub name, or a folder such as export.py
+writes), read with the spiece.model beside them or else T5's. The model's fills are shown [in
+brackets] at the sentinels.
 """
 import os
 import re
 
 import torch
 
-from checkpoint import load_model
+from checkpoint import check_tokenizer, load_model, tokenizer_of
 from data import SpanCorruptionBatches
-from prepare import NUM_SENTINELS, load_tokenizer
+from prepare import NUM_SENTINELS
 from runtime import check_config, print0, setup_runtime
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")  # where the model fills in
@@ -70,18 +71,19 @@ if __name__ == "__main__":
     rt = setup_runtime(device, "float32", seed)
     model, ckpt = load_model(init_from)
     model.to(rt.device).eval()
-    meta = ckpt["meta"]  # a run's data, whose tokenizer it reads; None: Hugging Face weights
+    meta = ckpt["meta"]  # a run's data; None: Hugging Face weights
     if not text and meta is None:
         raise SystemExit(f"error: {init_from} brings no data of its own to fill in: pass "
                          f"--text=\"...<extra_id_0>...\"")
-    tok = load_tokenizer(meta, init_from, model.config.vocab_size)
+    tok = tokenizer_of(ckpt, init_from)  # the one it was trained with, which its checkpoint carries
     if text:
         inputs, truths = torch.tensor([encode(tok, text)]), [None]
     else:  # the first held-out windows of the run's data, noised as its evaluations are
         run = ckpt["config"]
         noise = (run.get("noise_density", 0.15), run.get("mean_noise_span_length", 3.0))
         val = SpanCorruptionBatches(meta["data_dir"], "val", num_samples,
-                                    run.get("input_length", 128), *noise, seed, model.config.vocab_size)
+                                    run.get("input_length", 128), *noise, seed)
+        check_tokenizer(ckpt, val.meta, init_from)  # the folder may have been prepared again
         if num_samples > val.num_windows:
             raise SystemExit(f"error: --num_samples={num_samples}, but {meta['data_dir']}/val.bin "
                              f"holds {val.num_windows} windows for this run: ask for at most "

@@ -31,7 +31,7 @@ TRAIN = ["train.py", "config/t5_tiny.py", *SYSTEM, "--model=t5-tiny", "--data_di
 FINETUNE = ["finetune.py", *SYSTEM, "--data_dir={sni}", "--out_dir={ftrun}", "--init_from=resume",
             "--max_num_instances_per_task=4", "--batch_size=4", "--max_steps=1", "--max_new_tokens=4"]
 PREPARE = ["prepare.py", "--dataset={corpus}", "--tokenizer=train", "--vocab_size=64", "--out_dir={prepared}",
-           "--shard_tokens=1000", "--num_proc=1"]
+           "--num_proc=1"]
 BENCH = ["bench.py", *SYSTEM, "--model=t5-tiny", "--input_length=32", "--steps=1", "--burn_in=0"]
 SAMPLE = ["sample.py", "--device=cpu", "--init_from={run}", "--max_new_tokens=4", "--num_samples=1"]
 EXPORT = ["export.py", "--init_from={run}", "--out_dir={tmp}/hf"]
@@ -39,12 +39,13 @@ BASES = (TRAIN, FINETUNE, PREPARE, BENCH, SAMPLE, EXPORT)
 
 # (name, command, words the error line must contain (or a list: a line each), its fix). In commands, {tmp} is the
 # case's own empty folder, and each case gets its own copy of the places in OWN_COPIES it names: {run} (a train.py
-# run with a checkpoint), {ftrun} (a finetune.py run with one), {prepared} (a prepared folder), a copy with a shard
-# cut short ({short}), and tiny Hugging Face weights without their tokenizer ({nospiece}). The others are shared:
-# {data} the prepared folder, {ckpt} a checkpoint to fine-tune, {hfweights} Hugging Face weights, {miniweights}
-# t5-mini's, {bigvocab} weights of a vocab {data}'s tokenizer beside them does not make, {bigvocabrun}
-# a run of such a model, {sni} an SNI clone, {corpus} the text {data} was prepared from, {bad} a file no loader reads,
-# {results} a finished finetune.py evaluation.
+# run with a checkpoint), {ftrun} (a finetune.py run with one), {prepared} (a prepared folder), copies with a shard
+# cut short ({short}), with another folder's tokenizer.model ({swapped}) and with meta.json's EOS id edited
+# ({edited}), and tiny Hugging Face weights without their tokenizer ({nospiece}). The others are shared: {data} the
+# prepared folder, {otherdata} a folder of another corpus prepared with a tokenizer of the same vocab, {ckpt} a run to
+# fine-tune, {hfweights} Hugging Face weights, {miniweights} t5-mini's, {bigvocab} weights of a vocab {data}'s
+# tokenizer beside them does not make, {bigvocabrun} a run of such a model, {sni} an SNI clone, {corpus} the text
+# {data} was prepared from, {bad} a file no loader reads, {results} a finished finetune.py evaluation.
 # A fix is what the error line says to do: "undo", the script's base command without the mistakes (one run serves
 # every row that undoes to it); args that replace or join the case's; "follow": the --key=value it names; "prepare
 # again": the folder deleted and the command it quotes run; or a function, done to the case's places, then the case
@@ -64,20 +65,38 @@ CASES = [
       "'grad_clip' is -1.0; it must be >= 0", "one of cosine, inverse_sqrt, constant",
       "one of adamwscale, adafactor, adamw", "'model' is 't5-tiy'; it must be one of t5-mini, t5-tiny",
       "'batch_size' is 0", "'eval_interval' is 0", "'time_budget_hours' is -1.0"], "undo"),
+    # values that trained silently wrong (a negative lr, weights that grow, a flag that meant nothing) or failed
+    # obscurely (a seed numpy refuses, an out_dir that is a file or empty), or never ended (an evaluation that reads
+    # val.bin 100,000 batches long, shards of one token each)
+    ("train values that trained wrong", [*TRAIN, "--min_lr=-1e-05", "--warmup_steps=-1",
+                                         "--warmup_start_factor=-1.0", "--weight_decay=-0.1", "--seed=-1",
+                                         "--peak_flops=-1.0", "--out_dir=", "--shard_across_nodes=True"],
+     ["'min_lr' is -1e-05; it must be >= 0", "'warmup_steps' is -1; it must be >= 0",
+      "'warmup_start_factor' is -1.0; it must be in [0, 1]", "'weight_decay' is -0.1; it must be >= 0",
+      "'seed' is -1; it must be in [0, 2**32)", "'peak_flops' is -1.0; it must be >= 0",
+      "'out_dir' is ''; it must be a folder's path", "'shard_across_nodes' is True; it must be False without fsdp"],
+     "undo"),
+    ("train evaluation longer than val.bin", [*TRAIN, "--eval_steps=100000"],
+     "'eval_steps' is 100000; it must be <= ", "undo"),
     ("finetune values", [*FINETUNE, "--eval_batch_size=0", "--max_new_tokens=-1", "--epochs=0", "--lr=0.0",
-                         "--max_input_length=0", "--optimizer=sgd", "--dropout=-0.5", "--max_steps=-1"],
+                         "--max_input_length=0", "--optimizer=sgd", "--dropout=-0.5", "--max_steps=-1",
+                         "--num_pos_examples=-1", "--max_num_instances_per_task=0", "--weight_decay=-1.0",
+                         "--seed=4294967296", "--out_dir={corpus}"],
      ["'eval_batch_size' is 0; it must be > 0", "'max_new_tokens' is -1", "'epochs' is 0; it must be > 0",
       "'lr' is 0.0; it must be > 0", "'max_input_length' is 0", "one of adamwscale, adafactor, adamw",
-      "'dropout' is -0.5", "'max_steps' is -1"], "undo"),
-    ("prepare values", [*PREPARE, "--shard_tokens=0", "--num_proc=0", "--max_train_tokens=-5", "--val_fraction=0.0",
-                        "--vocab_size=0", "--max_val_tokens=0"],
-     ["'shard_tokens' is 0; it must be > 0", "'num_proc' is 0; it must be > 0", "'max_train_tokens' is -5; it must be >= 0",
-      "'val_fraction' is 0.0; it must be in (0, 1)", "'vocab_size' is 0; it must be in [1, 65436]",
-      "'max_val_tokens' is 0"], "undo"),
+      "'dropout' is -0.5", "'max_steps' is -1", "'num_pos_examples' is -1; it must be >= 0",
+      "'max_num_instances_per_task' is 0; it must be > 0", "'weight_decay' is -1.0; it must be >= 0",
+      "'seed' is 4294967296; it must be in [0, 2**32)", "corpus.jsonl'; it must be a folder's path"], "undo"),
+    ("prepare values", [*PREPARE, "--shard_tokens=1", "--num_proc=0", "--max_train_tokens=-5", "--val_fraction=0.0",
+                        "--vocab_size=0", "--max_val_tokens=0", "--out_dir={corpus}"],
+     ["'shard_tokens' is 1; it must be >= 1,000,000", "'num_proc' is 0; it must be > 0",
+      "'max_train_tokens' is -5; it must be >= 0", "'val_fraction' is 0.0; it must be in (0, 1)",
+      "'vocab_size' is 0; it must be in [1, 65436]", "'max_val_tokens' is 0", "it must be a folder's path"], "undo"),
     ("bench values", [*BENCH, "--steps=0", "--burn_in=-1", "--part=dat", "--model=t5-tiy", "--compare=HF",
-                      "--input_length=2", "--grad_accum_steps=0"],
+                      "--input_length=2", "--grad_accum_steps=0", "--batch_size=-4", "--threads=-1"],
      ["'steps' is 0; it must be > 0", "'burn_in' is -1; it must be >= 0", "'part' is 'dat'; it must be train or optim",
-      "'model' is 't5-tiy'", "'compare' is 'HF'", "'input_length' is 2", "'grad_accum_steps' is 0"], "undo"),
+      "'model' is 't5-tiy'", "'compare' is 'HF'", "'input_length' is 2", "'grad_accum_steps' is 0",
+      "'batch_size' is -4; it must be >= 0", "'threads' is -1; it must be >= 0"], "undo"),
     ("bench compare", [*BENCH, "--part=optim", "--compare=hf"], "'compare' is 'hf'; it must be '' or null", "undo"),
     ("sample values", [*SAMPLE, "--max_new_tokens=100000", "--num_samples=0", "--temperature=-1.0"],
      ["'max_new_tokens' is 100000; it must be in [1, 1024]", "'num_samples' is 0", "'temperature' is -1.0"], "undo"),
@@ -88,23 +107,28 @@ CASES = [
     # 2. a new run never writes over another run's files (test_checkpoint.py: each kind of file)
     ("train scratch over a checkpoint", [*TRAIN, "--init_from=scratch"], "would replace it", "undo"),
     ("finetune into a train.py run", [*FINETUNE, "--init_from={ckpt}", "--out_dir={run}"],
-     "ckpt.pt exists and this run would replace it: pass another --out_dir", ["--out_dir={tmp}/out"]),
+     "ckpt exists and this run would replace it: pass another --out_dir", ["--out_dir={tmp}/out"]),
     # 3. a shard is checked when a run opens it
-    ("train shard cut short", [*TRAIN, "--data_dir={short}"], "train_001.bin is not the 1,000 tokens meta.json says",
+    ("train shard cut short", [*TRAIN, "--data_dir={short}"], "tokens meta.json says (lost or cut)",
      "prepare again"),
     # 4. a resume is the run it resumes, of its own program (test_checkpoint.py: each setting, format and data)
     ("train resume, other model and optimizer", [*TRAIN, "--model=t5-v1_1-small", "--optimizer=adafactor"],
      "model 't5-tiny' -> 't5-v1_1-small', optimizer 'adamwscale' -> 'adafactor'", "undo"),
     ("finetune resume of a train.py run", [*FINETUNE, "--out_dir={run}"], "was written by train.py",
-     ["--init_from={run}/ckpt.pt", "--out_dir={tmp}/out"]),
+     ["--init_from={run}", "--out_dir={tmp}/out"]),
     ("train resume at max_steps", [*TRAIN, "--max_steps=1"], "is at step 1 of max_steps=1", "undo"),
+    ("train resume with another weight decay", [*TRAIN, "--weight_decay=0.1"], "weight_decay 0.0 -> 0.1", "undo"),
     # 5. a path names what the command needs (test_prepare.py: a corpus not found, without the text field, prepared
     # with other settings; test_train.py: data_dir without data; test_finetune.py: data_dir without SNI)
-    ("train init_from Resume", [*TRAIN, "--out_dir={tmp}/out", "--init_from=Resume"], "Resume holds no run or weights",
-     "undo"),
+    ("train init_from Resume", [*TRAIN, "--out_dir={tmp}/out", "--init_from=Resume"],
+     "did you mean --init_from=resume?", "undo"),
+    ("train init_from a file that is no checkpoint", [*TRAIN, "--out_dir={tmp}/out", "--init_from={corpus}"],
+     "corpus.jsonl holds no run or weights", "undo"),
     ("prepare csv", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/data.csv"], "data.csv is not a .txt/", "undo"),
     ("prepare tokenizer not a file", [*PREPARE, "--out_dir={tmp}/data", "--tokenizer={tmp}/t5.model"],
      "is not t5, train or a .model file", "undo"),
+    ("prepare tokenizer not sentencepiece's", [*PREPARE, "--out_dir={tmp}/data", "--tokenizer={corpus}"],
+     "corpus.jsonl is not a sentencepiece model", "undo"),
     ("prepare vocab_size below the corpus's characters", [*PREPARE, "--out_dir={tmp}/data", "--vocab_size=3"],
      "is smaller than required_chars: use --vocab_size=", "follow"),
     # 6. sample.py and export.py take only what they can use (test_sample.py: each sentinel mistake)
@@ -125,9 +149,17 @@ CASES = [
      "is not the model's: its 164 ids", "undo"),
     ("export a run whose tokenizer is not its model's", [*EXPORT, "--init_from={bigvocabrun}"], "is not the model's",
      "undo"),
+    # 9. the tokenizer is part of a model's identity: its sha256, recorded in meta.json and carried by checkpoints
+    ("train weights of another tokenizer of the same vocab", [*TRAIN, "--out_dir={tmp}/out", "--model=t5-mini",
+                                                              "--init_from={miniweights}", "--data_dir={otherdata}"],
+     "was trained with another tokenizer", "undo"),
+    ("train data whose tokenizer was replaced", [*TRAIN, "--data_dir={swapped}"],
+     "tokenizer.model is not the tokenizer", "prepare again"),
+    ("train data whose meta.json EOS was edited", [*TRAIN, "--data_dir={edited}"],
+     "(eos_id 5 in meta.json, 1 in the tokenizer)", "prepare again"),
 ]
-OWN_COPIES = ("run", "ftrun", "prepared", "short", "nospiece")
-SHARED = ("data", "results", "hfweights", "miniweights", "bigvocab", "bigvocabrun")
+OWN_COPIES = ("run", "ftrun", "prepared", "short", "swapped", "edited", "nospiece")
+SHARED = ("data", "otherdata", "results", "hfweights", "miniweights", "bigvocab", "bigvocabrun")
 
 WORDS = ("the of and to in is was for on that with as by at from his her which an were are this be had not river city "
          "music history government science church army school village species family film league season album "
@@ -166,9 +198,10 @@ def tiny_t5(meta, vocab_size=None):
 def tiny_checkpoint(out_dir, meta, config, optimizer, program="train.py", vocab_size=None):
     """a checkpoint in train.py's format of a very small T5, at step 1"""
     t5 = tiny_t5(meta, vocab_size)
-    os.makedirs(out_dir, exist_ok=True)
     opt = make_optimizer(optimizer, param_groups(t5, 0.0), 1e-3)
-    save_checkpoint(str(out_dir), t5, opt, 1, 0.0, dict(config, optimizer=optimizer), meta, program)
+    with open(os.path.join(meta["data_dir"], "tokenizer.model"), "rb") as f:
+        run = dict(program=program, config=dict(config, optimizer=optimizer), meta=meta, tokenizer=f.read())
+    save_checkpoint(str(out_dir), t5, opt, 1, 0.0, run)
 
 
 def copy_data(data, to, damage):
@@ -182,14 +215,23 @@ def places(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_input")
     corpus = write_corpus(root / "corpus.jsonl", 400)
     data = str(root / "data")
-    meta = prepare(dataset=corpus, tokenizer="train", out_dir=data, vocab_size=64, shard_tokens=1000)
-    assert len(meta["train_shards"]) >= 3
+    meta = prepare(dataset=corpus, tokenizer="train", out_dir=data, vocab_size=64)
 
     def cut_shard(folder):
-        with open(folder / "train_001.bin", "r+b") as f:
+        with open(folder / "val.bin", "r+b") as f:
             f.truncate(1000)
+    otherdata = str(root / "otherdata")
+    prepare(dataset=write_corpus(root / "other.jsonl", 400, seed=1), tokenizer="train", out_dir=otherdata,
+            vocab_size=64)
 
-    run_config = {"model": "t5-tiny", "dropout": 0.0, "lr": 1e-2}
+    def swap_tokenizer(folder):
+        shutil.copy(os.path.join(otherdata, "tokenizer.model"), folder / "tokenizer.model")
+
+    def edit_eos(folder):
+        edited = dict(json.loads((folder / "meta.json").read_text()), eos_id=5)
+        (folder / "meta.json").write_text(json.dumps(edited))
+
+    run_config = {"model": "t5-tiny", "dropout": 0.0, "lr": 1e-2, "weight_decay": 0.0}
     tiny_checkpoint(root / "run", meta, run_config, "adamwscale")
     tiny_checkpoint(root / "ftrun", meta, {}, "adamw", "finetune.py")
     tiny_checkpoint(root / "pretrained", meta, {}, "adamwscale")
@@ -209,15 +251,17 @@ def places(tmp_path_factory):
     bad = root / "bad"
     bad.mkdir()
     (bad / "data.csv").write_text("text,label\nhello world,1\n")
-    return dict(corpus=corpus, data=data, prepared=data, sni=str(root / "sni"), ckpt=str(root / "pretrained" / "ckpt.pt"),
-                bad=str(bad), short=copy_data(data, root / "short", cut_shard), root=str(root),
+    return dict(corpus=corpus, data=data, prepared=data, sni=str(root / "sni"), ckpt=str(root / "pretrained"),
+                bad=str(bad), short=copy_data(data, root / "short", cut_shard), otherdata=otherdata,
+                swapped=copy_data(data, root / "swapped", swap_tokenizer),
+                edited=copy_data(data, root / "edited", edit_eos), root=str(root),
                 **{name: str(root / name) for name in ("run", "ftrun", "results", "hfweights", "miniweights",
                                                        "bigvocab", "nospiece", "bigvocabrun")})
 
 
 def snapshot(folders):
     """the bytes of every checkpoint, shard, tokenizer and meta.json in the folders"""
-    patterns = ("ckpt.pt", "ckpt/*/*", "ckpt/*/.metadata", "*.bin", "tokenizer.model", "meta.json", "metrics.json",
+    patterns = ("ckpt/*/*", "ckpt/*/.metadata", "*.bin", "tokenizer.model", "meta.json", "metrics.json",
                 "predictions.jsonl", "log.jsonl")
     files = [p for folder in folders for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))]
     return {p: open(p, "rb").read() for p in files}

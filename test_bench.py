@@ -144,6 +144,7 @@ def test_tfloat32_off_a_cuda_gpu_says_it_times_float32():
     r = run_bench("--dtype=tfloat32", "--compile=False", "--burn_in=0")
     assert r.returncode == 0 and "ms/step" in r.stdout, r.stdout + r.stderr
     assert r.stdout.startswith("no TF32 off an NVIDIA GPU: running in float32 instead\n"), r.stdout
+    assert "| float32 | compile=False" in r.stdout.splitlines()[1], r.stdout  # the header: what runs
 
 
 def test_side_by_side_reports_the_first_call_apart(capsys):

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import string
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import torch
 from finetune import (build_prompt, collate, compute_metrics, exact_match, generate_predictions, load_split, rouge_l,
                       tokenize_example)
 from model import T5, T5Config
-from checkpoint import save_checkpoint, save_pretrained
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_checkpoint, save_pretrained
+from checkpoint import tokenizer_of
 from prepare import prepare
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
@@ -27,7 +29,7 @@ WORDS = "red green blue cat dog bird tree river stone house road light water fir
 
 
 def run(args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "finetune.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
 
@@ -86,8 +88,10 @@ def ckpt_path(tmp_path_factory):
     model = T5(config)
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters())
-    save_checkpoint(str(root), model, optimizer, 0, 0.0, {}, meta)
-    return str(root / "ckpt.pt")
+    tokenizer = (root / "data" / "tokenizer.model").read_bytes()
+    save_checkpoint(str(root), model, optimizer, 0, 0.0, dict(program="train.py", config={}, meta=meta,
+                                                              tokenizer=tokenizer))
+    return str(root)
 
 
 def test_prompt_is_tk_instructs_to_the_byte():
@@ -197,7 +201,7 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
     with open(os.path.join(out, "log.jsonl")) as f:
         losses = [rec["loss"] for rec in map(json.loads, f) if "loss" in rec]
     assert len(losses) == 5  # 20 train examples / batch 4, one epoch
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 5
+    assert load_checkpoint(find_checkpoint(out), weights=False)["step"] == 5
     # sample.py takes a fine-tuned run as it takes a pre-trained one, with the tokenizer its checkpoint names
     sampled = subprocess.run([sys.executable, "sample.py", f"--init_from={out}", "--text=red <extra_id_0> blue",
                               "--device=cpu", "--max_new_tokens=4"], cwd=REPO, capture_output=True, text=True,
@@ -227,9 +231,8 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
     assert metrics["num_examples"] == 10 and metrics["step"] == 5
 
     # the same weights in Hugging Face's layout, with the tokenizer as spiece.model beside them, evaluate the same
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    model = T5(T5Config(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
+    ckpt = load_checkpoint(find_checkpoint(out))
+    model = model_from_checkpoint(ckpt)
     hf_dir = str(tmp_path / "hf")
     save_pretrained(model, hf_dir)
     shutil.copy(os.path.join(ckpt["meta"]["data_dir"], ckpt["meta"]["tokenizer_file"]), hf_dir + "/spiece.model")
@@ -241,7 +244,8 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
 
 
 def test_ids_past_the_model_vocab_are_caught_at_loading(sni_dir, ckpt_path, tmp_path):
-    ckpt = torch.load(ckpt_path, weights_only=False)
+    ckpt = load_checkpoint(find_checkpoint(ckpt_path))
+    del ckpt["shards"]  # as an older run's ckpt.pt held it
     small = T5(T5Config(**{**ckpt["model_config"], "vocab_size": 8}))
     ckpt["model"], ckpt["model_config"]["vocab_size"] = small.state_dict(), 8
     path = str(tmp_path / "small.pt")
@@ -252,8 +256,7 @@ def test_ids_past_the_model_vocab_are_caught_at_loading(sni_dir, ckpt_path, tmp_
 
 def test_predictions_are_decoded_as_tk_instruct_decodes_them(ckpt_path):
     """Tk-Instruct scores batch_decode(..., skip_special_tokens=True): no sentinels, pad or unk in the text."""
-    from prepare import load_tokenizer
-    tokenizer = load_tokenizer(torch.load(ckpt_path, weights_only=False)["meta"])
+    tokenizer = tokenizer_of(load_checkpoint(find_checkpoint(ckpt_path)), ckpt_path)
     words = tokenizer.encode("red cat")
     sentinel, unk, eos = tokenizer.first_sentinel_id, tokenizer.unk_id, tokenizer.eos_id
 
@@ -266,3 +269,41 @@ def test_predictions_are_decoded_as_tk_instruct_decodes_them(ckpt_path):
     examples = [dict(input_ids=[5, 6, eos], labels=[eos]), dict(input_ids=[7, eos], labels=[eos])]
     predictions = generate_predictions(Generator(), examples, tokenizer, 2, 8, "cpu", contextlib.nullcontext)
     assert sorted(predictions) == [(0, "red cat"), (1, "red cat")]
+
+
+SMALL_RUN = ["--max_num_instances_per_task=4", "--batch_size=4", "--max_new_tokens=2", "--eval_batch_size=4",
+             "--device=cpu"]
+
+
+def test_a_resume_reads_the_tokenizer_of_the_weights_it_started_from(sni_dir, ckpt_path, tmp_path):
+    """Hugging Face weights with a spiece.model of their own: the run's checkpoints carry it, so that its resume, and
+    sample.py and export.py, read it, not T5's"""
+    ckpt = load_checkpoint(find_checkpoint(ckpt_path))
+    hf, out = str(tmp_path / "hf"), str(tmp_path / "ft")
+    save_pretrained(model_from_checkpoint(ckpt), hf, ckpt["tokenizer"])
+    common = [f"--data_dir={sni_dir}", *SMALL_RUN, f"--out_dir={out}"]
+    r = run([*common, f"--init_from={hf}", "--max_steps=1"])
+    assert r.returncode == 0, r.stderr
+    r = run([*common, "--init_from=resume", "--max_steps=2"])
+    assert r.returncode == 0, r.stderr
+    assert load_checkpoint(find_checkpoint(out), weights=False)["tokenizer"] == ckpt["tokenizer"]
+
+
+def test_a_signal_saves_and_stops_with_no_evaluation_after(sni_dir, ckpt_path, tmp_path):
+    # evaluating at every step, as train.py, but not after the signal's save
+    out = str(tmp_path / "ft")
+    proc = subprocess.Popen([sys.executable, "finetune.py", f"--data_dir={sni_dir}", *SMALL_RUN, f"--out_dir={out}",
+                             f"--init_from={ckpt_path}", "--max_steps=100000", "--eval_interval=1",
+                             "--log_interval=1", "--checkpoint_interval=100000"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    stdout = ""
+    while "step 2: Rouge-L" not in stdout and proc.poll() is None:
+        stdout += proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    more, stderr = proc.communicate(timeout=120)
+    stdout += more
+    assert proc.returncode == 0, stderr
+    step = load_checkpoint(find_checkpoint(out), weights=False)["step"]
+    assert step >= 2 and f"stopped by signal at step {step}" in stdout, stdout
+    assert f"step {step - 1}: Rouge-L" in stdout and f"step {step}: Rouge-L" not in stdout, stdout

@@ -75,7 +75,7 @@ def test_two_fsdp_ranks_match_one_process(runs, optimizer):
 def test_each_rank_holds_half_the_state(runs):
     one, fsdp = state_mib(runs["adamwscale", "one"][1]), state_mib(runs["adamwscale", "fsdp"][1])
     # weights + AdamWScale's two moments in fp32: 12 bytes per parameter, split over 2 ranks (+ padding of odd rows)
-    t5 = model_from_checkpoint(load_checkpoint(os.path.join(runs["adamwscale", "one"][0], "ckpt.pt")))
+    t5 = model_from_checkpoint(load_checkpoint(find_checkpoint(runs["adamwscale", "one"][0])))
     assert one == pytest.approx(12 * t5.num_params() / 2**20, rel=1e-3)
     assert fsdp == pytest.approx(one / 2, rel=0.01)
 
@@ -138,7 +138,7 @@ def test_sharded_checkpoint_loads_into_one_process_and_exports(runs, tmp_path):
     assert ckpt["step"] == 8 and sorted(os.listdir(shards)) == ["step-4", "step-8"]  # the newest two are kept
     ours = model_from_checkpoint(ckpt).eval()
     # the trained weights, not fresh ones: within float rounding of the one-process run's after the same 8 steps
-    reference = load_checkpoint(os.path.join(runs["adamwscale", "one"][0], "ckpt.pt"))["model"]
+    reference = load_checkpoint(find_checkpoint(runs["adamwscale", "one"][0]))["model"]
     for name, tensor in ours.state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=2e-3 * reference[name].abs().max().item())
     # the README's export command, which reads the shards in one process
@@ -154,10 +154,13 @@ def test_sharded_checkpoint_loads_into_one_process_and_exports(runs, tmp_path):
 
 
 def test_fsdp_ranks_start_from_whole_weights_as_one_process(runs, data_dir, tmp_path):  # noqa: F811
-    # --init_from a one-process run's ckpt.pt, or its export to Hugging Face's safetensors: every rank maps the file
-    # and copies out its own slices. 2 ranks log one process's losses from the same weights.
-    weights, hf = os.path.join(runs["adamwscale", "one"][0], "ckpt.pt"), str(tmp_path / "hf")
-    assert run(["export.py", f"--init_from={weights}", f"--out_dir={hf}"]).returncode == 0
+    # --init_from an older run's ckpt.pt (one file, the whole model), or a run's export to Hugging Face's
+    # safetensors: every rank maps the file and copies out its own slices. 2 ranks log one process's losses from the
+    # same weights.
+    ckpt = load_checkpoint(find_checkpoint(runs["adamwscale", "one"][0]))
+    weights, hf = str(tmp_path / "ckpt.pt"), str(tmp_path / "hf")
+    torch.save({key: ckpt[key] for key in ("program", "model_config", "step", "config", "meta", "model")}, weights)
+    assert run(["export.py", f"--init_from={runs['adamwscale', 'one'][0]}", f"--out_dir={hf}"]).returncode == 0
     logs = {}
     for name, launch, start in (("one", [], hf), ("hf", TORCHRUN, hf), ("pt", TORCHRUN, weights)):
         out_dir = str(tmp_path / name)
@@ -188,6 +191,38 @@ def test_kill_and_resume_is_exact(runs, data_dir, tmp_path):  # noqa: F811
     assert read_log(killed) == read_log(straight)  # bit-identical on CPU, every step
 
 
+def test_a_run_resumes_in_any_mode_on_any_number_of_ranks(runs, data_dir, tmp_path):  # noqa: F811
+    """One format for every run: one process's step-4 checkpoint resumes as 2 FSDP ranks, and FSDP's as one process
+    or 2 DDP ranks, each logging the uninterrupted run's losses for steps 5 to 8"""
+    one, fsdp = runs["adamwscale", "one"][0], runs["adamwscale", "fsdp"][0]
+    for name, source, launch, extra in (("fsdp", one, TORCHRUN, ["--fsdp=True"]),
+                                        ("one", fsdp, [], ["--grad_accum_steps=2"]), ("ddp", fsdp, TORCHRUN, [])):
+        out = tmp_path / name
+        shutil.copytree(os.path.join(source, "ckpt", "step-4"), out / "ckpt" / "step-4")
+        r = run([*launch, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=resume",
+                 *extra])
+        assert r.returncode == 0, r.stderr
+        resumed, straight = read_log(str(out)), read_log(one)
+        assert resumed.keys() == {5, 6, 7, 8}
+        for step in resumed:
+            assert resumed[step] == pytest.approx(straight[step], rel=1e-4), (name, step)
+
+
+def test_ranks_that_find_other_checkpoints_stop_together(runs, data_dir, tmp_path):  # noqa: F811
+    # a relative out_dir, which the two nodes resolve in folders of their own: node 0's holds the run, node 1's
+    # nothing. Every rank agrees on what it found, in one collective, and ends with the line (before, node 1's ranks
+    # stopped with "no checkpoint", and node 0's waited for them up to an hour)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    shutil.copytree(os.path.join(runs["adamwscale", "one"][0], "ckpt"), nodes[0] / "out" / "ckpt")
+    nodes[1].mkdir()
+    args = [os.path.join(REPO, ARGS[0]), *ARGS[1:], f"--data_dir={data_dir}", "--out_dir=out", "--init_from=resume"]
+    results = two_nodes(args, nproc=1, cwds=nodes)
+    line = ("error: the ranks found different checkpoints in out (None, out/ckpt/step-8): out_dir must be a folder "
+            "every node sees\n")
+    for code, _, stderr in results:
+        assert code != 0 and line in stderr, stderr
+
+
 def test_half_written_checkpoint_is_never_taken(runs, tmp_path):
     """a run killed mid-save leaves a step folder without the .metadata that dcp.save writes last"""
     out = tmp_path / "out"
@@ -214,11 +249,12 @@ with torch.device("meta"):
 wrap_model(t5, rt, fsdp=True)
 draw_weights(t5)
 opt = make_optimizer("adamwscale", param_groups(t5, 0.0), 1e-3)
-save_checkpoint(sys.argv[1], t5, opt, 1, 0.0, {{}}, None)
+RUN = dict(program="train.py", config={{}}, meta=None, tokenizer=None)
+save_checkpoint(sys.argv[1], t5, opt, 1, 0.0, RUN)
 if rt.rank == {full_rank}:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
     resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
-save_checkpoint(sys.argv[1], t5, opt, 2, 0.0, {{}}, None)
+save_checkpoint(sys.argv[1], t5, opt, 2, 0.0, RUN)
 """
 
 
@@ -255,7 +291,7 @@ def test_finetune_from_a_sharded_checkpoint_matches_one_process(runs, sni_dir, t
     whole = str(tmp_path / "whole")
     assert run([*common, f"--out_dir={whole}"]).returncode == 0
     assert read_log(whole) == pytest.approx(reference_log, rel=1e-4)
-    ours, reference = load_checkpoint(find_checkpoint(fsdp)), load_checkpoint(os.path.join(one, "ckpt.pt"))
+    ours, reference = load_checkpoint(find_checkpoint(fsdp)), load_checkpoint(find_checkpoint(one))
     assert ours["step"] == reference["step"] == 3
     for name, tensor in reference["model"].items():
         torch.testing.assert_close(ours["model"][name], tensor, rtol=0, atol=1e-3 * tensor.abs().max().item())
@@ -273,13 +309,13 @@ def test_finetune_evaluates_fewer_test_examples_than_ranks(runs, sni_dir, tmp_pa
 
 def test_sample_reads_a_sharded_checkpoint(runs):
     from sample import encode, fill_in
-    from prepare import load_tokenizer
+    from checkpoint import tokenizer_of
     out = runs["adamwscale", "fsdp"][0]
     text = "The river <extra_id_0> the city."
     r = run(["sample.py", f"--init_from={out}", f"--text={text}", "--device=cpu", "--max_new_tokens=8"])
     assert r.returncode == 0, r.stderr
     ckpt = load_checkpoint(find_checkpoint(out))
-    tok, t5 = load_tokenizer(ckpt["meta"]), model_from_checkpoint(ckpt).eval()
+    tok, t5 = tokenizer_of(ckpt, out), model_from_checkpoint(ckpt).eval()
     ids = encode(tok, text)
     fill = t5.generate(torch.tensor([ids]), max_new_tokens=8)[0].tolist()
     assert f"model: {fill_in(tok, tok.decode(ids), fill)}\n" in r.stdout
@@ -471,7 +507,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def peaks(tmp_path_factory):
     """Peak resident memory (MiB) per rank: one process and 2 FSDP ranks for a step of 2 micro-steps followed by an
     evaluation; the FSDP ranks again resuming from that step's checkpoint, and starting from the one process's
-    weights (its ckpt.pt). And each command's with t5-mini, which the test subtracts, so that imports, data and gloo
+    weights (its checkpoint). And each command's with t5-mini, which the test subtracts, so that imports, data and gloo
     cancel out (a resume's and a start's are its step's: t5-mini's checkpoint is small)"""
     root = tmp_path_factory.mktemp("peaks")
     rng = random.Random(0)
@@ -490,7 +526,7 @@ def peaks(tmp_path_factory):
     for model in ("t5-v1_1-base", "t5-mini"):
         for name, launch in (("one", []), ("fsdp", [*TORCHRUN])):
             out_dir = str(root / f"{model}-{name}")
-            weights = os.path.join(root / f"{model}-one", "ckpt.pt")
+            weights = str(root / f"{model}-one")
             for case, extra in (("step", ["--max_steps=1"]), ("resume", ["--max_steps=2", "--init_from=resume"]),
                                 ("start", ["--max_steps=1", f"--init_from={weights}"])):
                 # the reference is one process's step (its resume holds its checkpoint's copy too); and the

@@ -8,7 +8,7 @@ import torch
 
 import data as D
 import prepare as P
-from checkpoint import load_checkpoint, model_from_checkpoint, save_pretrained
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_pretrained, tokenizer_of
 from sample import check_text, encode, fill_in
 from test_train import TINY, data_dir, run  # noqa: F401 (data_dir is a fixture)
 
@@ -27,8 +27,8 @@ def trained(data_dir, tmp_path_factory):  # noqa: F811
 
 
 def model_and_tokenizer(out):
-    ckpt = load_checkpoint(os.path.join(out, "ckpt.pt"))
-    return model_from_checkpoint(ckpt).eval(), P.load_tokenizer(ckpt["meta"])
+    ckpt = load_checkpoint(find_checkpoint(out))
+    return model_from_checkpoint(ckpt).eval(), tokenizer_of(ckpt, out)
 
 
 def test_a_text_is_filled_in_by_generate(trained):
@@ -49,7 +49,7 @@ def test_held_out_windows_are_shown_next_to_the_truth(trained, data_dir):  # noq
     assert r.returncode == 0, r.stderr
     t5, tok = model_and_tokenizer(trained)
     # the run's own val windows (input_length 64), with the noise every evaluation uses
-    val = D.SpanCorruptionBatches(data_dir, "val", 2, 64, 0.15, 3.0, 1337, t5.config.vocab_size)
+    val = D.SpanCorruptionBatches(data_dir, "val", 2, 64, 0.15, 3.0, 1337)
     inputs, labels = val.get(0)
     for ids, truth in zip(inputs.tolist(), labels.tolist()):
         corrupted = tok.decode(ids)
@@ -60,7 +60,7 @@ def test_held_out_windows_are_shown_next_to_the_truth(trained, data_dir):  # noq
 def test_hugging_face_weights_use_the_tokenizer_beside_them(trained, tmp_path):
     t5, tok = model_and_tokenizer(trained)
     save_pretrained(t5, str(tmp_path))
-    data = load_checkpoint(os.path.join(trained, "ckpt.pt"))["meta"]["data_dir"]
+    data = load_checkpoint(find_checkpoint(trained))["meta"]["data_dir"]
     shutil.copy(os.path.join(data, "tokenizer.model"), tmp_path / "spiece.model")
     ours = run(["sample.py", f"--init_from={trained}", f"--text={TEXT}", "--device=cpu"])
     theirs = run(["sample.py", f"--init_from={tmp_path}", f"--text={TEXT}", "--device=cpu"])
@@ -83,6 +83,34 @@ def test_export_is_a_self_contained_hugging_face_folder(trained, tmp_path):
     ours = run(["sample.py", f"--init_from={trained}", f"--text={TEXT}", "--device=cpu"])
     theirs = run(["sample.py", f"--init_from={folder}", f"--text={TEXT}", "--device=cpu"])
     assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout, theirs.stderr
+
+
+def test_a_run_carries_its_tokenizer_when_its_data_moves(trained, data_dir, tmp_path):  # noqa: F811
+    """sample.py and export.py read a run whose data folder is gone with the tokenizer its checkpoint carries; held-out
+    windows need the folder, and are refused from a folder prepared with another tokenizer"""
+    moved = tmp_path / "run"
+    shutil.copytree(trained, moved)
+    state_file = os.path.join(find_checkpoint(str(moved)), "state.pt")
+    state = torch.load(state_file, weights_only=False)
+    torch.save(dict(state, meta=dict(state["meta"], data_dir=str(tmp_path / "gone"))), state_file)
+    ours = run(["sample.py", f"--init_from={trained}", f"--text={TEXT}", "--device=cpu"])
+    theirs = run(["sample.py", f"--init_from={moved}", f"--text={TEXT}", "--device=cpu"])
+    assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout, theirs.stderr
+    r = run(["export.py", f"--init_from={moved}", f"--out_dir={tmp_path / 'hf'}"])
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(data_dir, "tokenizer.model"), "rb") as f:
+        assert (tmp_path / "hf" / "spiece.model").read_bytes() == f.read()
+    r = run(["sample.py", f"--init_from={moved}", "--device=cpu"])
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'gone'} holds no prepared data (no meta.json): prepare it with `python prepare.py "
+        f"--dataset=c4 --tokenizer=t5 --out_dir={tmp_path / 'gone'}` or `python prepare.py --dataset=pydoc "
+        f"--tokenizer=train --vocab_size=1000 --out_dir={tmp_path / 'gone'}`"], r.stderr
+    # the same corpus prepared again with a tokenizer of another vocab: the run's ids would mean other pieces
+    other = str(tmp_path / "other")
+    P.prepare(dataset=P.load_meta(data_dir)["source"], tokenizer="train", out_dir=other, vocab_size=90)
+    torch.save(dict(state, meta=dict(state["meta"], data_dir=other)), state_file)
+    r = run(["sample.py", f"--init_from={moved}", "--device=cpu"])
+    assert r.returncode == 1 and "was trained with another tokenizer" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("text, message", [

@@ -35,6 +35,19 @@ def read_log(out_dir):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def saved_step(out_dir):
+    """the step of out_dir's newest checkpoint"""
+    from checkpoint import find_checkpoint, load_checkpoint
+    return load_checkpoint(find_checkpoint(out_dir), weights=False)["step"]
+
+
+def checkpoint_bytes(out_dir):
+    """the files of out_dir's checkpoints, by path"""
+    folder = os.path.join(out_dir, "ckpt")
+    return {os.path.join(root, name): open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(folder) for name in names}
+
+
 def start_until_step(args, out_dir, step):
     """a run started in the background (python args...), returned once out_dir's log reaches step, or it exited"""
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -81,7 +94,7 @@ def test_tiny_config_learns(learned):
     first, last = losses[1], sum(losses[s] for s in range(56, 61)) / 5
     # random init starts near ln(model vocab 256) = 5.5; 60 steps must take off at least 2 nats
     assert first > 5.0 and first - last > 2.0, (first, last)
-    assert os.path.exists(os.path.join(out, "ckpt.pt"))
+    assert saved_step(out) == 60
 
 
 def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
@@ -89,7 +102,7 @@ def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
     import torch
     import data as D
     import prepare as P
-    from checkpoint import model_from_checkpoint
+    from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
     from test_data import rebuild
     out = str(tmp_path / "out")
     r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=6", "--eval_interval=3",
@@ -102,14 +115,14 @@ def test_evaluations_show_the_models_fill_next_to_the_truth(data_dir, tmp_path):
         assert f"    model: {example['model']}\n    truth: {example['truth']}\n" in r.stdout
 
     # the examples are the first two windows of val.bin, and their truth is exactly the spans span corruption removed
-    val = D.SpanCorruptionBatches(data_dir, "val", 8, 64, 0.15, 3.0, 1337, P.load_meta(data_dir)["model_vocab_size"])
+    val = D.SpanCorruptionBatches(data_dir, "val", 8, 64, 0.15, 3.0, 1337)
     inputs, labels = (t[:2] for t in val.get(0))
     windows = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16)[:2 * val.raw_length]
     meta, tok = val.meta, P.load_tokenizer(val.meta)
     assert [rebuild(i, t, meta["first_sentinel_id"]) for i, t in zip(inputs.numpy(), labels.numpy())] == \
         windows.reshape(2, -1).tolist()
     # span accuracy is logged and printed next to its baseline, and is what the final weights score on val
-    t5 = model_from_checkpoint(torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)).eval()
+    t5 = model_from_checkpoint(load_checkpoint(find_checkpoint(out))).eval()
     assert f"span acc {shown[-1]['span_acc']:.4f} (baseline {shown[-1]['span_baseline']:.4f})" in r.stdout
     totals = torch.zeros(2)
     for step in range(2):  # --eval_steps=2
@@ -160,8 +173,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
-    import torch
-    step = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"]
+    step = saved_step(out)
     assert step >= 3 and f"stopped by signal at step {step}" in stdout
     assert f"step {step - 1:6d} | val loss" in stdout and f"step {step:6d} | val loss" not in stdout, stdout
 
@@ -209,23 +221,28 @@ def test_bad_input_under_torchrun_reaches_the_user(data_dir):
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
     out = str(tmp_path / "out")
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4"]
+    # before any checkpoint, the hint is a new run, not a resume, which would find none
+    r = run(["train.py", *args, f"--out_dir={tmp_path / 'first'}", "--lr=1e30", "--lr_schedule=constant",
+             "--grad_clip=0.0", "--max_steps=4"])
+    assert r.returncode == 1 and r.stderr.endswith("diverged; no checkpoint yet: start again in a new --out_dir "
+                                                   "with a lower lr or grad_clip\n"), r.stderr
     assert run(["train.py", *args, "--max_steps=4"]).returncode == 0
-    ckpt = os.path.join(out, "ckpt.pt")
-    good = open(ckpt, "rb").read()
+    good = checkpoint_bytes(out)
     r = run(["train.py", *args, "--max_steps=40", "--init_from=resume", "--lr=1e30", "--lr_schedule=constant",
              "--grad_clip=0.0"])
     assert r.returncode == 1
-    assert r.stderr.startswith("error: ") and "diverged" in r.stderr and "Traceback" not in r.stderr
-    assert open(ckpt, "rb").read() == good
+    assert r.stderr.startswith("error: ") and "diverged; resume with a lower lr" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and checkpoint_bytes(out) == good
 
 
 # train.py run through runpy under a few patches, for what only timing or a fault shows: rank 0's checkpoint writes
 # made slow, NaN losses injected where the ranks watch for them, and on every rank the lr of each step and the
 # collectives called written to out_dir/rank<r>.json with the step the rank stopped at
 PATCHED_TRAIN = """
-import json, math, os, runpy, sys, time
+import datetime, json, math, os, runpy, sys, time
 sys.path.insert(0, {repo!r})
 import checkpoint, optim, runtime, torch
+runtime.TRAIN_TIMEOUT = {train_timeout}
 rank = int(os.environ.get("RANK", 0))
 lrs, collectives, watched = [], [0], [0]
 make_optimizer, clip_grad_norm, save_checkpoint = optim.make_optimizer, runtime.clip_grad_norm, checkpoint.save_checkpoint
@@ -233,9 +250,9 @@ make_optimizer, clip_grad_norm, save_checkpoint = optim.make_optimizer, runtime.
 def recording_make_optimizer(*args, **kwargs):
     optimizer = make_optimizer(*args, **kwargs)
     step = optimizer.step
-    def recorded_step():
+    def recorded_step(closure=None):  # a resume's first, which makes the state to load into, too
         lrs.append(optimizer.param_groups[0]["lr"].item())
-        step()
+        step(closure)
     optimizer.step = recorded_step
     return optimizer
 
@@ -265,11 +282,13 @@ with open(os.path.join(script["out_dir"], f"rank{{rank}}.json"), "w") as f:
 """
 
 
-def run_patched(tmp_path, args, nproc=1, save_s=0.0, nan_calls=()):
+def run_patched(tmp_path, args, nproc=1, save_s=0.0, nan_calls=(), train_timeout_s=None):
     """train.py with PATCHED_TRAIN's patches, in its own process group, killed whole if it outlives 180 s (a rank
     left waiting on a collective would otherwise hang until gloo's 30-minute timeout)"""
     script = tmp_path / "patched_train.py"
-    script.write_text(PATCHED_TRAIN.format(repo=REPO, save_s=save_s, nan_calls=set(nan_calls) or "set()"))
+    train_timeout = f"datetime.timedelta(seconds={train_timeout_s})" if train_timeout_s else "runtime.TRAIN_TIMEOUT"
+    script.write_text(PATCHED_TRAIN.format(repo=REPO, save_s=save_s, nan_calls=set(nan_calls) or "set()",
+                                           train_timeout=train_timeout))
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, *launcher, str(script), *args], cwd=REPO, env=env, text=True,
@@ -302,11 +321,37 @@ def test_ddp_time_budget_with_slow_saves_ends_together(data_dir, tmp_path):
     zero, one = rank_records(out, 2)
     assert zero["step"] == one["step"] > 2
     assert zero["lrs"] == one["lrs"] and len(zero["lrs"]) == zero["step"]
-    import torch
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == zero["step"]
+    assert saved_step(out) == zero["step"]
     with open(os.path.join(out, "log.jsonl")) as f:
         last = [json.loads(line) for line in f][-1]
     assert last["step"] == zero["step"] and 4.32 <= last["elapsed"]
+
+
+def test_ddp_ranks_wait_for_a_save_longer_than_the_training_timeout(data_dir, tmp_path):
+    # rank 0's part of the save takes 4 s, past a training timeout of 2 s: the ranks wait for it under the start-up
+    # timeout, and the run ends well (before, DDP's rank 0 wrote the whole checkpoint while the others waited in the
+    # next collective, which timed out: on slow storage, the run died at its first save)
+    out = str(tmp_path / "out")
+    r = run_patched(tmp_path, [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2",
+                               "--checkpoint_interval=2", "--eval_interval=2", "--eval_steps=1"], nproc=2, save_s=4.0,
+                    train_timeout_s=2)
+    assert r.returncode == 0, r.stderr
+    assert saved_step(out) == 2
+
+
+def test_two_runs_started_together_in_one_out_dir_one_goes_on(data_dir, tmp_path):
+    # both may find out_dir free; the log each creates before writing anything, exclusively, lets one through, and
+    # the other stops with one line naming out_dir (before, both trained, into one checkpoint)
+    out = str(tmp_path / "out")
+    args = [sys.executable, "train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=3",
+            "--eval_interval=1000"]
+    procs = [subprocess.Popen(args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(proc.communicate(timeout=120)[1], proc.returncode) for proc in procs]
+    assert sorted(code for _, code in results) == [0, 1], results
+    stopped = next(stderr for stderr, code in results if code == 1)
+    assert stopped.startswith("error: ") and stopped.count("\n") == 1 and out in stopped, stopped
+    assert sorted(read_log(out)) == [1, 2, 3] and saved_step(out) == 3
 
 
 def test_ddp_ranks_agree_only_at_log_steps(data_dir, tmp_path):
@@ -330,12 +375,11 @@ def test_nan_between_log_steps_stops_before_the_next_checkpoint(data_dir, tmp_pa
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4",
             "--log_interval=4"]
     assert run(["train.py", *args, "--max_steps=4"]).returncode == 0
-    ckpt = os.path.join(out, "ckpt.pt")
-    good = open(ckpt, "rb").read()
+    good = checkpoint_bytes(out)
     r = run_patched(tmp_path, [*args, "--max_steps=12", "--init_from=resume"], nan_calls=[2])  # step 4 + 2
     assert r.returncode == 1
     assert r.stderr.startswith("error: ") and "diverged" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert open(ckpt, "rb").read() == good
+    assert checkpoint_bytes(out) == good
 
 
 CONFIG_SCRIPT = """
@@ -372,7 +416,9 @@ BAD_CONFIG_FILES = {"config.yaml": b"lr: 0.01\nbatch_size: 8\n", "config.json": 
     (["--batch_sise=3"], "unknown config key 'batch_sise' in --batch_sise (did you mean 'batch_size'?)"),
     (["--lr=fast"], "config key 'lr' in --lr must be float, got 'fast'"),
     (["--compile=1"], "config key 'compile' in --compile must be bool, got 1"),
-    (["--lr"], "'--lr' needs a value: write --key=value"),
+    (["--lr"], "'--lr' needs a value: write --lr=value"),
+    (["--lr", "0.1"], "'--lr' needs a value: write --lr=value"),  # not "config file '0.1' not found"
+    (["--Lr=0.1"], "unknown config key 'Lr' in --Lr (did you mean 'lr'?)"),
     (["missing.py"], "config file 'missing.py' not found"),
     (["config.yaml"], "config file 'config.yaml' sets no config key"),  # YAML's key: value is a Python annotation
     (["config.json"], "config file 'config.json' sets no config key"),
@@ -413,7 +459,7 @@ def test_resume_says_what_changed(data_dir, tmp_path):
     assert run(["train.py", *args, "--lr=0.01"]).returncode == 0
     r = run(["train.py", *args, "--init_from=resume", "--lr=0.02", "--log_interval=5", "--max_steps=3"])
     assert r.returncode == 0, r.stderr
-    assert (f"resuming from {tmp_path}/ckpt.pt at step 2; changed on resume: max_steps 2 -> 3, lr 0.01 -> 0.02, "
+    assert (f"resuming from {tmp_path}/ckpt/step-2 at step 2; changed on resume: max_steps 2 -> 3, lr 0.01 -> 0.02, "
             f"log_interval 1 -> 5") in r.stdout
 
 
@@ -443,7 +489,7 @@ def test_a_signal_while_the_first_step_compiles_ends_the_run_at_once(data_dir, t
     stdout, stderr = proc.communicate(timeout=120)
     assert time.time() - start < 15 and proc.returncode != 0, stderr
     assert f"{signal.Signals(signum).name} before the first step: nothing to save" in stderr, stderr
-    assert not os.path.exists(tmp_path / "ckpt.pt") and "step      1 " not in stdout
+    assert not os.path.exists(tmp_path / "ckpt") and "step      1 " not in stdout
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -465,8 +511,7 @@ def test_sigterm_between_log_steps_stops_within_steps_and_resumes_exactly(data_d
     time.sleep(1.5)  # some steps on
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = (stdout + more for more in proc.communicate(timeout=120))
-    import torch
-    step = torch.load(stopped / "ckpt.pt", weights_only=False)["step"]
+    step = saved_step(str(stopped))
     signalled_after = int(stderr.split("SIGTERM after step ")[1].split(":")[0])
     assert 1 < signalled_after + 1 <= step <= signalled_after + (1 if nproc == 1 else 3), stderr
     assert f"stopped by signal at step {step}" in stdout + stderr, stderr

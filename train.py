@@ -61,11 +61,16 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 runtime.check_config(config, [
     *[(key, globals()[key] in choices, f"one of {', '.join(choices)}") for key, choices in
       (("model", PRESETS), ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES))],
+    ("out_dir", out_dir and not os.path.isfile(out_dir), "a folder's path"),
     ("noise_density", 0 < noise_density < 1, "in (0, 1)"),
     ("mean_noise_span_length", mean_noise_span_length >= 1, ">= 1"),
     ("input_length", input_length >= 3, ">= 3"),
     ("dropout", 0 <= dropout < 1, "in [0, 1)"),
-    *[(key, globals()[key] >= 0, ">= 0") for key in ("grad_clip", "time_budget_hours")],
+    ("warmup_start_factor", 0 <= warmup_start_factor <= 1, "in [0, 1]"),
+    ("seed", 0 <= seed < 2**32, "in [0, 2**32), as numpy takes it"),
+    ("shard_across_nodes", fsdp or not shard_across_nodes, "False without fsdp=True"),
+    *[(key, globals()[key] >= 0, ">= 0") for key in ("grad_clip", "time_budget_hours", "min_lr",
+                                                     "warmup_steps", "weight_decay", "peak_flops")],
     *[(key, globals()[key] > 0, "> 0") for key in ("lr", "batch_size", "grad_accum_steps",
       "max_steps", "eval_interval", "eval_steps", "log_interval", "checkpoint_interval")],
 ])
@@ -81,10 +86,18 @@ if rt.ddp:
     torch.distributed.barrier()
 meta = load_meta(data_dir)
 tok = load_tokenizer(meta)
-# what the run starts from: its own newest checkpoint (resume), a run's or Hugging Face's weights,
-# or nothing (scratch); a new run writes over no other run's files
-ckpt = checkpoint.start_from(init_from, out_dir, "train.py", fsdp, config, meta,
-                             fixed=("model", "dropout", "optimizer"), preset=model)
+# span-corrupted batches: step k's global batch is a function of (seed, k); a rank builds its slice
+span_corruption = (batch_size, input_length, noise_density, mean_noise_span_length, seed)
+train_data = SpanCorruptionBatches(data_dir, "train", *span_corruption)
+val_data = SpanCorruptionBatches(data_dir, "val", *span_corruption)
+most = max(1, val_data.num_windows // batch_size)  # an evaluation reads each val window once
+runtime.check_config(config, [("eval_steps", eval_steps <= most, f"<= {most}: {data_dir}/val.bin "
+                               f"holds {val_data.num_windows:,} windows of this run")])
+# what the run starts from: its own newest checkpoint (resume), a run's or Hugging Face's weights
+# (of the data's tokenizer), or nothing (scratch); a new run writes over no other run's files
+ckpt = checkpoint.start_from(init_from, out_dir, "train.py", config, meta,
+                             fixed=("model", "dropout", "optimizer", "weight_decay"), preset=model,
+                             fsdp=fsdp)
 
 # the model: T5(config) on the meta device, its shapes with no memory yet; placed on the device
 # (sharded, compiled, in DDP), it gets its weights: read from the checkpoint, or drawn fresh
@@ -106,11 +119,6 @@ ckpt = None  # free the checkpoint's copy of the weights
 if step >= max_steps:  # a resume with nothing left to train
     raise SystemExit(f"error: {out_dir} is at step {step} of max_steps={max_steps}: raise it")
 
-# span-corrupted batches: step k's global batch is a function of (seed, k); a rank builds its slice
-span_corruption = (batch_size, input_length, noise_density, mean_noise_span_length, seed,
-                   t5.config.vocab_size)
-train_data = SpanCorruptionBatches(data_dir, "train", *span_corruption)
-val_data = SpanCorruptionBatches(data_dir, "val", *span_corruption)
 train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank, rt.world_size, rt.device)
 tokens_per_step = batch_size * (input_length + train_data.targets_length)
 step_flops = runtime.flops_per_step(t5, batch_size, input_length, train_data.targets_length)
@@ -122,6 +130,7 @@ print0(f"span accuracy baseline {span_baseline:.4f}: always writing the commones
 demo_inputs, demo_labels = (t[:2] for t in val_data.get(0, device=rt.device))
 demo_tokens = max(tok.shown_length(labels) for labels in demo_labels.tolist())  # what they need
 logger = runtime.Logger(out_dir, rt.master, step if init_from == "resume" else None)
+run = dict(program="train.py", config=config, meta=meta, tokenizer=tok.spiece)  # for checkpoints
 peak = rt.peak_flops(peak_flops)
 
 @torch.no_grad()
@@ -188,8 +197,7 @@ while not last_step:
         mean_loss, nonfinite, signalled, elapsed = runtime.agree(
             rt, train_loss / rt.world_size, nonfinite, signals.caught, elapsed * rt.master)
         if nonfinite:  # before a save: the last checkpoint is good
-            raise SystemExit(f"error: the loss or grad norm became NaN or inf by step {step}: "
-                             f"training diverged; resume with a lower lr or grad_clip")
+            raise checkpoint.diverged(out_dir, step)
         last_step = last_step or signalled > 0 or 0 < budget_s <= elapsed
         dt = (elapsed - last_elapsed) / (step - last_sync_step)
         last_sync_step, last_elapsed = step, elapsed
@@ -204,7 +212,8 @@ while not last_step:
                f"{mfu_text} | eta {eta_s / 3600:.2f} h")
         paused = time.time()  # a save and an evaluation are not training time
         if step % checkpoint_interval == 0 or last_step:
-            checkpoint.save_checkpoint(out_dir, t5, opt, step, elapsed, config, meta)
+            runtime.set_timeout(rt, runtime.START_TIMEOUT)  # the ranks wait for the slowest write
+            checkpoint.save_checkpoint(out_dir, t5, opt, step, elapsed, run)
         if (step % eval_interval == 0 or step == max_steps) and not signalled:
             metrics = evaluate()
             logger.log({"step": step, **metrics, "span_baseline": span_baseline})
