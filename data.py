@@ -35,34 +35,41 @@ def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_sp
         raw_length += 1
     return raw_length, corrupted_lengths(raw_length)[1]
 
-def random_segmentation(num_items, num_segments, rng):
-    """T5's: the lengths of the num_segments non-empty runs that num_items split into at random.
-    Item 0 starts the first run; num_segments - 1 others, chosen at random, start the rest."""
-    starts = np.zeros(0, dtype=np.int64)  # of all runs but the first
-    if num_segments > 1:  # the items with the smallest random keys: a uniformly random choice
-        keys = rng.random(num_items - 1)
-        starts = np.sort(np.argpartition(keys, num_segments - 2)[:num_segments - 1] + 1)
-    return np.diff(np.concatenate([[0], starts, [num_items]]))
+def random_segmentation(num_items, num_segments, keys):
+    """T5's: the lengths of the num_segments non-empty runs that num_items split into at random, a
+    row of them per row of keys (B, num_items - 1), a uniform random key for each item but the
+    first. Item 0 starts the first run; the num_segments - 1 items with the smallest keys (a
+    uniformly random choice) start the rest."""
+    starts = np.sort(np.argsort(keys, axis=1)[:, :num_segments - 1] + 1, axis=1)  # (B, runs - 1)
+    first, end = np.zeros((len(keys), 1), np.int64), np.full((len(keys), 1), num_items)
+    return np.diff(np.concatenate([first, starts, end], axis=1), axis=1)  # (B, num_segments)
 
-def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rng):
-    """T5's: which tokens of a window are noise (True), in num_spans spans of random lengths; the
-    window starts with kept tokens and ends with noise"""
+def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rngs):
+    """T5's: which tokens of each window are noise (True), in num_spans spans of random lengths;
+    a window starts with kept tokens and ends with noise. A row's keys come from its own generator
+    (rngs, one per row), so that a row is the same alone as in a batch."""
     num_noise, num_spans = noise_counts(length, noise_density, mean_noise_span_length)
-    kept_lengths = random_segmentation(length - num_noise, num_spans, rng)
-    noise_lengths = random_segmentation(num_noise, num_spans, rng)
+    num_kept = length - num_noise
+    keys = np.stack([rng.random(length - 2 if num_spans > 1 else 0) for rng in rngs])
+    kept_lengths = random_segmentation(num_kept, num_spans, keys[:, :num_kept - 1])
+    noise_lengths = random_segmentation(num_noise, num_spans, keys[:, num_kept - 1:])
     # interleaving kept and noise spans: kept, noise, kept, noise, ...
-    span_lengths = np.stack([kept_lengths, noise_lengths], axis=1).reshape(-1)
-    span_number = np.repeat(np.arange(2 * num_spans), span_lengths)  # 0, 0, 1, 1, 1, 2, ...
+    span_lengths = np.stack([kept_lengths, noise_lengths], axis=2).reshape(len(keys), -1)
+    span_starts = np.cumsum(span_lengths, axis=1)[:, :-1]  # of every span but the first
+    span_start_indicator = np.zeros((len(keys), length), dtype=np.int64)
+    np.put_along_axis(span_start_indicator, span_starts, 1, axis=1)
+    span_number = np.cumsum(span_start_indicator, axis=1)  # 0, 0, 1, 1, 1, 2, ...
     return span_number % 2 == 1
 
 def noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id):
-    """T5's: each span of noise tokens becomes one sentinel, counting down from first_sentinel_id
-    (<extra_id_0>) for the first span"""
-    previous_is_noise = np.pad(noise_mask[:-1], (1, 0))  # shifted right, False first
+    """T5's: each span of noise tokens (B, L) becomes one sentinel, counting down from
+    first_sentinel_id (<extra_id_0>) for each row's first span"""
+    previous_is_noise = np.pad(noise_mask[:, :-1], ((0, 0), (1, 0)))  # shifted right, False first
     first_noise = noise_mask & ~previous_is_noise
     subsequent_noise = noise_mask & previous_is_noise
-    sentinels = first_sentinel_id + 1 - np.cumsum(first_noise)
-    return np.where(first_noise, sentinels, tokens)[~subsequent_noise]
+    sentinels = first_sentinel_id + 1 - np.cumsum(first_noise, axis=1)
+    kept = np.where(first_noise, sentinels, tokens)[~subsequent_noise]
+    return kept.reshape(len(tokens), -1)  # every row drops as many: all but a span's first token
 
 def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rngs):
     """T5's span corruption of windows `tokens` (B, L): (inputs, targets), int64, rows ending with
@@ -78,12 +85,10 @@ def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_i
     noise spans, each after its sentinel: the model learns to fill in the blanks."""
     if isinstance(rngs, np.random.Generator):
         rngs = [rngs] * len(tokens)
-    inputs = []
-    targets = []
-    for row, rng in zip(tokens.astype(np.int64), rngs):
-        noise_mask = random_spans_noise_mask(len(row), noise_density, mean_noise_span_length, rng)
-        inputs.append(noise_span_to_unique_sentinel(row, noise_mask, first_sentinel_id))
-        targets.append(noise_span_to_unique_sentinel(row, ~noise_mask, first_sentinel_id))
+    tokens = tokens.astype(np.int64)
+    noise_mask = random_spans_noise_mask(tokens.shape[1], noise_density, mean_noise_span_length, rngs)
+    inputs = noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id)
+    targets = noise_span_to_unique_sentinel(tokens, ~noise_mask, first_sentinel_id)
     eos = np.full((len(tokens), 1), eos_id, dtype=np.int64)
     return np.concatenate([inputs, eos], axis=1), np.concatenate([targets, eos], axis=1)
 

@@ -112,12 +112,12 @@ CASES = [
     ("train shard cut short", [*TRAIN, "--data_dir={short}"], "tokens meta.json says (lost or cut)",
      "prepare again"),
     # 4. a resume is the run it resumes, of its own program (test_checkpoint.py: each setting, format and data)
-    ("train resume, other model and optimizer", [*TRAIN, "--model=t5-v1_1-small", "--optimizer=adafactor"],
-     "model 't5-tiny' -> 't5-v1_1-small', optimizer 'adamwscale' -> 'adafactor'", "undo"),
+    ("train resume, other model, optimizer and weight decay", [*TRAIN, "--model=t5-v1_1-small",
+                                                               "--optimizer=adafactor", "--weight_decay=0.1"],
+     "model 't5-tiny' -> 't5-v1_1-small', optimizer 'adamwscale' -> 'adafactor', weight_decay 0.0 -> 0.1", "undo"),
     ("finetune resume of a train.py run", [*FINETUNE, "--out_dir={run}"], "was written by train.py",
      ["--init_from={run}", "--out_dir={tmp}/out"]),
     ("train resume at max_steps", [*TRAIN, "--max_steps=1"], "is at step 1 of max_steps=1", "undo"),
-    ("train resume with another weight decay", [*TRAIN, "--weight_decay=0.1"], "weight_decay 0.0 -> 0.1", "undo"),
     # 5. a path names what the command needs (test_prepare.py: a corpus not found, without the text field, prepared
     # with other settings; test_train.py: data_dir without data; test_finetune.py: data_dir without SNI)
     ("train init_from Resume", [*TRAIN, "--out_dir={tmp}/out", "--init_from=Resume"],
@@ -156,7 +156,7 @@ CASES = [
     ("train data whose tokenizer was replaced", [*TRAIN, "--data_dir={swapped}"],
      "tokenizer.model is not the tokenizer", "prepare again"),
     ("train data whose meta.json EOS was edited", [*TRAIN, "--data_dir={edited}"],
-     "(eos_id 5 in meta.json, 1 in the tokenizer)", "prepare again"),
+     "(eos_id 5 in meta.json, 1 in the tokenizer)", "undo"),  # the "prepare again" of the row above
 ]
 OWN_COPIES = ("run", "ftrun", "prepared", "short", "swapped", "edited", "nospiece")
 SHARED = ("data", "otherdata", "results", "hfweights", "miniweights", "bigvocab", "bigvocabrun")

@@ -1,6 +1,7 @@
 """Tests for checkpoint.py: step folders written whole and found, the newest two kept, a resume's optimizer state and
 RNG, what a new run may write over, the resume check, and the tokenizer a checkpoint carries against data's."""
 import errno
+import glob
 import os
 import shutil
 
@@ -102,6 +103,7 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_never_leaves_half_a_state(tmp
             with pytest.raises(OSError, match="No space left on device"):
                 tiny_run(tmp_path, step=2)
         assert not os.path.exists(tmp_path / "ckpt" / "step-2" / "state.pt"), where  # whole, or not there
+        assert not glob.glob(str(tmp_path / "ckpt" / "*" / "*.tmp")), where  # and no temporary file left
         assert C.find_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt" / "step-1")
         assert open(tmp_path / "ckpt" / "step-1" / "state.pt", "rb").read() == good
 
@@ -227,3 +229,12 @@ def test_an_export_names_its_tokenizer_and_reads_no_other(tmp_path):
     os.remove(tmp_path / "hf" / "spiece.model")
     with pytest.raises(SystemExit, match="spiece.model is not the tokenizer its config.json records"):
         C.load(str(tmp_path / "hf"))
+
+
+def test_the_divergence_line_names_a_fix_that_works(tmp_path):
+    # before any checkpoint a resume would find none: the line says to start again
+    assert str(C.diverged(str(tmp_path), 3)) == ("error: the loss or grad norm became NaN or inf by step 3: training "
+                                                 "diverged; no checkpoint yet: start again in a new --out_dir with a "
+                                                 "lower lr or grad_clip")
+    tiny_run(tmp_path, step=2)
+    assert str(C.diverged(str(tmp_path), 3)).endswith("diverged; resume with a lower lr or grad_clip")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module 
 
 def span_corrupt_per_example(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rng):
     """The reference for span_corrupt: one example at a time, step by step as T5's random_spans_noise_mask describes
-    it. span_corrupt must match it in distribution (tested below), and bench.py --part=data times the two."""
+    it. span_corrupt must match it in distribution (tested below)."""
     L = tokens.shape[1]
     num_noise = min(max(round(L * noise_density), 1), L - 1)
     num_spans = max(1, round(min(num_noise, L - num_noise) / mean_noise_span_length))

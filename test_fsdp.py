@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_pretrained
 from prepare import prepare
 from test_finetune import sni_dir  # noqa: F401 (a fixture)
 from test_train import REPO, TINY, data_dir, read_log, run, start_until_step  # noqa: F401 (data_dir is a fixture)
@@ -160,7 +160,7 @@ def test_fsdp_ranks_start_from_whole_weights_as_one_process(runs, data_dir, tmp_
     ckpt = load_checkpoint(find_checkpoint(runs["adamwscale", "one"][0]))
     weights, hf = str(tmp_path / "ckpt.pt"), str(tmp_path / "hf")
     torch.save({key: ckpt[key] for key in ("program", "model_config", "step", "config", "meta", "model")}, weights)
-    assert run(["export.py", f"--init_from={runs['adamwscale', 'one'][0]}", f"--out_dir={hf}"]).returncode == 0
+    save_pretrained(model_from_checkpoint(ckpt), hf, ckpt["tokenizer"])  # as export.py writes it
     logs = {}
     for name, launch, start in (("one", [], hf), ("hf", TORCHRUN, hf), ("pt", TORCHRUN, weights)):
         out_dir = str(tmp_path / name)
@@ -192,18 +192,18 @@ def test_kill_and_resume_is_exact(runs, data_dir, tmp_path):  # noqa: F811
 
 
 def test_a_run_resumes_in_any_mode_on_any_number_of_ranks(runs, data_dir, tmp_path):  # noqa: F811
-    """One format for every run: one process's step-4 checkpoint resumes as 2 FSDP ranks, and FSDP's as one process
-    or 2 DDP ranks, each logging the uninterrupted run's losses for steps 5 to 8"""
+    """One format for every run: one process's step-4 checkpoint resumes as 2 FSDP ranks, and FSDP's as one process,
+    each logging the uninterrupted run's losses for steps 5 and 6 (DDP resumes as one process does: test_train.py)"""
     one, fsdp = runs["adamwscale", "one"][0], runs["adamwscale", "fsdp"][0]
     for name, source, launch, extra in (("fsdp", one, TORCHRUN, ["--fsdp=True"]),
-                                        ("one", fsdp, [], ["--grad_accum_steps=2"]), ("ddp", fsdp, TORCHRUN, [])):
+                                        ("one", fsdp, [], ["--grad_accum_steps=2"])):
         out = tmp_path / name
         shutil.copytree(os.path.join(source, "ckpt", "step-4"), out / "ckpt" / "step-4")
         r = run([*launch, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=resume",
-                 *extra])
+                 "--max_steps=6", *extra])
         assert r.returncode == 0, r.stderr
         resumed, straight = read_log(str(out)), read_log(one)
-        assert resumed.keys() == {5, 6, 7, 8}
+        assert resumed.keys() == {5, 6}
         for step in resumed:
             assert resumed[step] == pytest.approx(straight[step], rel=1e-4), (name, step)
 

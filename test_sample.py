@@ -86,25 +86,23 @@ def test_export_is_a_self_contained_hugging_face_folder(trained, tmp_path):
 
 
 def test_a_run_carries_its_tokenizer_when_its_data_moves(trained, data_dir, tmp_path):  # noqa: F811
-    """sample.py and export.py read a run whose data folder is gone with the tokenizer its checkpoint carries; held-out
-    windows need the folder, and are refused from a folder prepared with another tokenizer"""
+    """sample.py and export.py read a run whose data folder is gone with the tokenizer its checkpoint carries (before,
+    a traceback); held-out windows from a folder prepared again with another tokenizer are refused"""
     moved = tmp_path / "run"
     shutil.copytree(trained, moved)
     state_file = os.path.join(find_checkpoint(str(moved)), "state.pt")
     state = torch.load(state_file, weights_only=False)
     torch.save(dict(state, meta=dict(state["meta"], data_dir=str(tmp_path / "gone"))), state_file)
-    ours = run(["sample.py", f"--init_from={trained}", f"--text={TEXT}", "--device=cpu"])
-    theirs = run(["sample.py", f"--init_from={moved}", f"--text={TEXT}", "--device=cpu"])
-    assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout, theirs.stderr
+    r = run(["sample.py", f"--init_from={moved}", f"--text={TEXT}", "--device=cpu", "--max_new_tokens=12"])
+    assert r.returncode == 0, r.stderr
+    t5, tok = model_and_tokenizer(trained)
+    ids = encode(tok, TEXT)
+    fill = t5.generate(torch.tensor([ids]), max_new_tokens=12)[0].tolist()
+    assert f"model: {fill_in(tok, tok.decode(ids), fill)}\n" in r.stdout
     r = run(["export.py", f"--init_from={moved}", f"--out_dir={tmp_path / 'hf'}"])
     assert r.returncode == 0, r.stderr
     with open(os.path.join(data_dir, "tokenizer.model"), "rb") as f:
         assert (tmp_path / "hf" / "spiece.model").read_bytes() == f.read()
-    r = run(["sample.py", f"--init_from={moved}", "--device=cpu"])
-    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'gone'} holds no prepared data (no meta.json): prepare it with `python prepare.py "
-        f"--dataset=c4 --tokenizer=t5 --out_dir={tmp_path / 'gone'}` or `python prepare.py --dataset=pydoc "
-        f"--tokenizer=train --vocab_size=1000 --out_dir={tmp_path / 'gone'}`"], r.stderr
     # the same corpus prepared again with a tokenizer of another vocab: the run's ids would mean other pieces
     other = str(tmp_path / "other")
     P.prepare(dataset=P.load_meta(data_dir)["source"], tokenizer="train", out_dir=other, vocab_size=90)

@@ -221,11 +221,6 @@ def test_bad_input_under_torchrun_reaches_the_user(data_dir):
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
     out = str(tmp_path / "out")
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4"]
-    # before any checkpoint, the hint is a new run, not a resume, which would find none
-    r = run(["train.py", *args, f"--out_dir={tmp_path / 'first'}", "--lr=1e30", "--lr_schedule=constant",
-             "--grad_clip=0.0", "--max_steps=4"])
-    assert r.returncode == 1 and r.stderr.endswith("diverged; no checkpoint yet: start again in a new --out_dir "
-                                                   "with a lower lr or grad_clip\n"), r.stderr
     assert run(["train.py", *args, "--max_steps=4"]).returncode == 0
     good = checkpoint_bytes(out)
     r = run(["train.py", *args, "--max_steps=40", "--init_from=resume", "--lr=1e30", "--lr_schedule=constant",
@@ -315,7 +310,7 @@ def test_ddp_time_budget_with_slow_saves_ends_together(data_dir, tmp_path):
     # all-reduce. On one agreed clock both stop at the same step, with the same lr at every step, and exit cleanly.
     out = str(tmp_path / "out")
     r = run_patched(tmp_path, [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=1000000",
-                               "--time_budget_hours=0.0012", "--checkpoint_interval=1", "--eval_interval=1000000",
+                               "--time_budget_hours=0.0006", "--checkpoint_interval=1", "--eval_interval=1000000",
                                "--model=t5-tiny"], nproc=2, save_s=0.3)
     assert r.returncode == 0, r.stderr
     zero, one = rank_records(out, 2)
@@ -324,19 +319,7 @@ def test_ddp_time_budget_with_slow_saves_ends_together(data_dir, tmp_path):
     assert saved_step(out) == zero["step"]
     with open(os.path.join(out, "log.jsonl")) as f:
         last = [json.loads(line) for line in f][-1]
-    assert last["step"] == zero["step"] and 4.32 <= last["elapsed"]
-
-
-def test_ddp_ranks_wait_for_a_save_longer_than_the_training_timeout(data_dir, tmp_path):
-    # rank 0's part of the save takes 4 s, past a training timeout of 2 s: the ranks wait for it under the start-up
-    # timeout, and the run ends well (before, DDP's rank 0 wrote the whole checkpoint while the others waited in the
-    # next collective, which timed out: on slow storage, the run died at its first save)
-    out = str(tmp_path / "out")
-    r = run_patched(tmp_path, [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2",
-                               "--checkpoint_interval=2", "--eval_interval=2", "--eval_steps=1"], nproc=2, save_s=4.0,
-                    train_timeout_s=2)
-    assert r.returncode == 0, r.stderr
-    assert saved_step(out) == 2
+    assert last["step"] == zero["step"] and 2.16 <= last["elapsed"]
 
 
 def test_two_runs_started_together_in_one_out_dir_one_goes_on(data_dir, tmp_path):
@@ -354,13 +337,18 @@ def test_two_runs_started_together_in_one_out_dir_one_goes_on(data_dir, tmp_path
     assert sorted(read_log(out)) == [1, 2, 3] and saved_step(out) == 3
 
 
-def test_ddp_ranks_agree_only_at_log_steps(data_dir, tmp_path):
+def test_ddp_ranks_agree_only_at_log_steps_and_wait_out_a_slow_save(data_dir, tmp_path):
     # no host sync between log steps: 16 steps logged every 8 agree at steps 1, 8 and 16 only; each step but the
-    # last sums the ranks' signal flags, which the host reads two steps on
+    # last sums the ranks' signal flags, which the host reads two steps on. And rank 0's part of the last step's save
+    # takes 4 s, past a training timeout of 2 s: the ranks wait for it under the start-up timeout, and the run ends
+    # well (before, DDP's rank 0 wrote the whole checkpoint while the others waited in the next collective, which
+    # timed out: on slow storage, a run died at its first save)
     out = str(tmp_path / "out")
     r = run_patched(tmp_path, [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=16",
-                               "--log_interval=8", "--checkpoint_interval=1000", "--eval_interval=1000"], nproc=2)
+                               "--log_interval=8", "--checkpoint_interval=1000", "--eval_interval=1000"], nproc=2,
+                    save_s=4.0, train_timeout_s=2)
     assert r.returncode == 0, r.stderr
+    assert saved_step(out) == 16
     zero, one = rank_records(out, 2)
     assert zero["step"] == one["step"] == 16
     # steps 1, 8 and 16, the evaluation at the last step, and the flags of steps 1 to 15
