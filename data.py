@@ -64,7 +64,8 @@ def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rngs)
 def noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id):
     """T5's: each span of noise tokens (B, L) becomes one sentinel, counting down from
     first_sentinel_id (<extra_id_0>) for each row's first span"""
-    previous_is_noise = np.pad(noise_mask[:, :-1], ((0, 0), (1, 0)))  # shifted right, False first
+    first_column = np.zeros((len(noise_mask), 1), dtype=bool)
+    previous_is_noise = np.concatenate([first_column, noise_mask[:, :-1]], axis=1)  # shifted right
     first_noise = noise_mask & ~previous_is_noise
     subsequent_noise = noise_mask & previous_is_noise
     sentinels = first_sentinel_id + 1 - np.cumsum(first_noise, axis=1)
