@@ -154,9 +154,9 @@ CASES = [
                                                               "--init_from={miniweights}", "--data_dir={otherdata}"],
      "was trained with another tokenizer", "undo"),
     ("train data whose tokenizer was replaced", [*TRAIN, "--data_dir={swapped}"],
-     "tokenizer.model is not the tokenizer", "prepare again"),
+     "tokenizer.model is not the tokenizer", "undo"),  # the line's "prepare again": the cut shard's above
     ("train data whose meta.json EOS was edited", [*TRAIN, "--data_dir={edited}"],
-     "(eos_id 5 in meta.json, 1 in the tokenizer)", "undo"),  # the "prepare again" of the row above
+     "(eos_id 5 in meta.json, 1 in the tokenizer)", "undo"),
 ]
 OWN_COPIES = ("run", "ftrun", "prepared", "short", "swapped", "edited", "nospiece")
 SHARED = ("data", "otherdata", "results", "hfweights", "miniweights", "bigvocab", "bigvocabrun")
