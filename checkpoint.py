@@ -118,19 +118,25 @@ def load_checkpoint(path, weights=True):
         ckpt["tokenizer"] = read_tokenizer(file).spiece if file else None
     return ckpt
 
-def load_resume(out_dir, program, config, meta, fixed):
-    """The newest checkpoint of out_dir's run, which --init_from=resume continues on any number of
-    ranks: the same on each, one its program wrote, with the keys in `fixed` (what its weights and
-    optimizer state were made with) and its data's settings unchanged. Its shards stay on disk."""
+def newest_checkpoint(out_dir):
+    """out_dir's newest checkpoint, or None, the same on every rank: each rank's finding, in one
+    all-gather, for a node that sees another folder would load another state, or wait for the rest"""
     path = find_checkpoint(out_dir)
     found = [path]
-    if dist.is_initialized():  # every rank's, in one all-gather: a node that sees another folder
-        found = [None] * dist.get_world_size()  # would load another state, or wait for the others
+    if dist.is_initialized():
+        found = [None] * dist.get_world_size()
         dist.all_gather_object(found, path)
     if len(set(found)) > 1:
         raise SystemExit(f"error: the ranks found different checkpoints in {out_dir} "
                          f"({', '.join(sorted(map(str, set(found))))}): out_dir must be a folder "
                          f"every node sees")
+    return path
+
+def load_resume(out_dir, program, config, meta, fixed):
+    """The newest checkpoint of out_dir's run, which --init_from=resume continues on any number of
+    ranks: the same on each, one its program wrote, with the keys in `fixed` (what its weights and
+    optimizer state were made with) and its data's settings unchanged. Its shards stay on disk."""
+    path = newest_checkpoint(out_dir)
     if path is None:
         raise SystemExit(f"error: no checkpoint to resume in {out_dir}: train one first")
     if os.path.isfile(path):
@@ -218,7 +224,7 @@ def start_from(init_from, out_dir, program, config, meta, fixed, preset=None, fs
     """What a run starts from: for 'resume' its out_dir's newest checkpoint (load_resume); for a new
     run, in an out_dir free of other runs' files, what init_from names (load), or None (scratch).
     With meta (train.py's data), the weights' tokenizer must be the data's."""
-    if init_from.lower() in ("resume", "scratch") and init_from not in ("resume", "scratch"):
+    if init_from.lower() in ("resume", "scratch", "auto") and not init_from.islower():
         raise SystemExit(f"error: --init_from={init_from} names no run or weights here: did you "
                          f"mean --init_from={init_from.lower()}?")
     if init_from == "resume":

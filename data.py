@@ -168,10 +168,11 @@ class SpanCorruptionBatches:
         rows = range(first_row, first_row + b)
         shards, starts = self.window_of(step * self.batch_size + np.array(rows))
         for s in set(shards.tolist()) - self.checked:  # a shard's ids, once, where they enter
-            if self.shards[s].max() >= self.meta["vocab_size"]:
-                raise SystemExit(f"error: {self.paths[s]} holds token id {self.shards[s].max()}, "
-                                 f"beyond its tokenizer's {self.meta['vocab_size']} ids: it is "
-                                 f"another tokenizer's")
+            largest = largest_id(self.paths[s])
+            if largest >= self.meta["vocab_size"]:
+                raise SystemExit(f"error: {self.paths[s]} holds token id {largest}, beyond its "
+                                 f"tokenizer's {self.meta['vocab_size']} ids: it is another "
+                                 f"tokenizer's")
             self.checked.add(s)
         raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shards, starts)])
         stream = [self.seed, TRAIN_SPANS] if self.split == "train" else [VAL_SPANS]
@@ -179,6 +180,15 @@ class SpanCorruptionBatches:
         inputs, targets = span_corrupt(raw, self.noise_density, self.mean_noise_span_length,
                                        self.meta["first_sentinel_id"], self.meta["eos_id"], rngs)
         return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device)
+
+def largest_id(path, chunk_bytes=1 << 24):
+    """a shard's largest token id, read in chunks, whose pages do not stay in this process (a
+    memmap's max() would keep every page of the shard resident)"""
+    largest = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            largest = max(largest, int(np.frombuffer(chunk, dtype=np.uint16).max()))
+    return largest
 
 class Prefetcher:
     """get(step): this rank's micro-batches of step for the training loop, grad_accum_steps dicts of

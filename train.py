@@ -22,7 +22,7 @@ from runtime import print0
 # default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and --key=value override it
 out_dir = "out"
 data_dir = "data/c4"  # a folder prepare.py made (data/pydoc, the demo's, is made on first use)
-init_from = "scratch"  # 'scratch', 'resume' (out_dir's run), or a run or HF weights to start from
+init_from = "scratch"  # 'scratch', 'resume' (out_dir's run), 'auto' (either), a run, HF weights
 model = "t5-v1_1-base"
 dropout = 0.0  # nanoT5 pre-trains without dropout
 # data and objective
@@ -95,6 +95,9 @@ runtime.check_config(config, [("eval_steps", eval_steps <= most, f"<= {most}: {d
                                f"holds {val_data.num_windows:,} windows of this run")])
 # what the run starts from: its own newest checkpoint (resume), a run's or Hugging Face's weights
 # (of the data's tokenizer), or nothing (scratch); a new run writes over no other run's files
+if init_from == "auto":  # one command that starts a run and, run again (requeued), continues it
+    init_from = "resume" if checkpoint.newest_checkpoint(out_dir) else "scratch"
+    print0(f"--init_from=auto: {init_from}")
 ckpt = checkpoint.start_from(init_from, out_dir, "train.py", config, meta,
                              fixed=("model", "dropout", "optimizer", "weight_decay"), preset=model,
                              fsdp=fsdp)
