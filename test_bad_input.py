@@ -32,7 +32,7 @@ FINETUNE = ["finetune.py", *SYSTEM, "--data_dir={sni}", "--out_dir={ftrun}", "--
             "--max_num_instances_per_task=4", "--batch_size=4", "--max_steps=1", "--max_new_tokens=4"]
 PREPARE = ["prepare.py", "--dataset={corpus}", "--tokenizer=train", "--vocab_size=64", "--out_dir={prepared}",
            "--num_proc=1"]
-BENCH = ["bench.py", *SYSTEM, "--model=t5-tiny", "--input_length=32", "--steps=1", "--burn_in=0"]
+BENCH = ["bench.py", *SYSTEM, "--model=t5-tiny", "--input_length=32", "--batch_size=1", "--steps=1", "--burn_in=0"]
 SAMPLE = ["sample.py", "--device=cpu", "--init_from={run}", "--max_new_tokens=4", "--num_samples=1"]
 EXPORT = ["export.py", "--init_from={run}", "--out_dir={tmp}/hf"]
 BASES = (TRAIN, FINETUNE, PREPARE, BENCH, SAMPLE, EXPORT)
