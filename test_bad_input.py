@@ -27,7 +27,8 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 SYSTEM = ["--device=cpu", "--dtype=float32", "--compile=False"]
 # each script's base command; a case adds its bad arguments, which win over these
 TRAIN = ["train.py", "config/t5_tiny.py", *SYSTEM, "--model=t5-tiny", "--data_dir={data}", "--out_dir={run}",
-         "--init_from=resume", "--input_length=64", "--batch_size=8", "--max_steps=2", "--eval_steps=1"]
+         "--init_from=resume", "--input_length=64", "--batch_size=8", "--max_steps=2", "--eval_steps=1",
+         "--time_budget_hours=0"]
 FINETUNE = ["finetune.py", *SYSTEM, "--data_dir={sni}", "--out_dir={ftrun}", "--init_from=resume",
             "--max_num_instances_per_task=4", "--batch_size=4", "--max_steps=1", "--max_new_tokens=4"]
 PREPARE = ["prepare.py", "--dataset={corpus}", "--tokenizer=train", "--vocab_size=64", "--out_dir={prepared}",

@@ -519,7 +519,7 @@ def peaks(tmp_path_factory):
     prepare(dataset=str(root / "corpus.jsonl"), tokenizer="train", out_dir=data, vocab_size=1900)
     common = ["config/t5_tiny.py", "--device=cpu", "--dtype=float32", "--compile=False", "--input_length=16",
               "--batch_size=4", "--grad_accum_steps=2", "--optimizer=adafactor", "--eval_steps=1", "--warmup_steps=1",
-              "--log_interval=1",
+              "--log_interval=1", "--time_budget_hours=0",
               f"--data_dir={data}", "--checkpoint_interval=1", "--eval_interval=1"]
     env = dict(MALLOC_MMAP_THRESHOLD_="65536")  # glibc gives freed blocks back: the peak is of live memory
     out = {}

@@ -218,6 +218,23 @@ def test_a_stale_tokenizer_never_survives_into_a_new_run(data_dir, corpus, tmp_p
     assert folder_bytes(out) == folder_bytes(data_dir)
 
 
+def test_every_reader_of_a_folder_refuses_a_tokenizer_it_does_not_record(data_dir, corpus, tmp_path):
+    # data.py's batches read meta.json alone: an EOS edited there would end every row with another token, and
+    # another tokenizer's file would give its ids other pieces; each is named however the folder is read
+    edited = copy_of(data_dir, tmp_path / "edited")
+    with open(os.path.join(edited, "meta.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(edited, "meta.json"), "w") as f:
+        json.dump(dict(meta, eos_id=5), f)
+    with pytest.raises(SystemExit, match="tokenizer.model is not the tokenizer .*meta.json records .eos_id 5"):
+        batches(edited)
+    replaced = copy_of(data_dir, tmp_path / "replaced")
+    P.prepare(corpus, **prepare_args(tmp_path / "other", vocab_size=PIECES // 2, max_train_tokens=1000))
+    (tmp_path / "replaced" / "tokenizer.model").write_bytes((tmp_path / "other" / "tokenizer.model").read_bytes())
+    with pytest.raises(SystemExit, match="tokenizer.model is not the tokenizer .*meta.json records .tokenizer_sha256"):
+        batches(replaced)
+
+
 def test_an_unreadable_tokenizer_is_refused_before_it_is_copied(corpus, tmp_path):
     (tmp_path / "bad.model").write_bytes(b"this is not a sentencepiece model")
     with pytest.raises(SystemExit, match="bad.model is not a sentencepiece model"):

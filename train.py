@@ -217,7 +217,7 @@ while not last_step:
         if step % checkpoint_interval == 0 or last_step:
             runtime.set_timeout(rt, runtime.START_TIMEOUT)  # the ranks wait for the slowest write
             checkpoint.save_checkpoint(out_dir, t5, opt, step, elapsed, run)
-        if (step % eval_interval == 0 or step == max_steps) and not signalled:
+        if (step % eval_interval == 0 or last_step) and not signalled:
             metrics = evaluate()
             logger.log({"step": step, **metrics, "span_baseline": span_baseline})
             print0(f"step {step:6d} | val loss {metrics['val_loss']:.4f} | val acc "
