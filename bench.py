@@ -2,18 +2,14 @@
 Times the training step train.py runs (forward, backward, clip, optimizer step) and, in the same
 process on the same weights, what one would otherwise use.
     python bench.py                               # ms/step, tokens/s, MFU, peak memory
-    python bench.py --table=True                  # dtype x compile, as the nanoT5 paper's Table 1
     python bench.py --profile=True                # the step by phase, its kernels, the attention's
     python bench.py --compare=hf                  # the same step in transformers' T5
     python bench.py --compare=null                # ours against ours: the noise floor of a ratio
-    python bench.py --part=optim                  # AdamWScale against AdamW(foreach=True)
 """
 import copy
-import gc
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 
@@ -27,10 +23,8 @@ from runtime import check_config, clip_grad_norm, flops_per_step, mfu, print0, s
 
 # -------------------------------------------------------------------------------------------------
 # default config
-part = "train"  # 'train' (a training step), 'optim' (an optimizer step alone)
-compare = ""  # 'hf': against transformers; 'null': ours twice; '': train alone, others a reference
-table = False  # part=train: each dtype x compile row (those given only), at the batch that fits
-profile = False  # part=train: after the timing, one step by phase, and its kernels
+compare = ""  # 'hf': against transformers; 'null': ours twice; '': ours alone
+profile = False  # ours alone: after the timing, one step by phase, and its kernels
 # model and shapes
 model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
 batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's), else 4
@@ -47,12 +41,6 @@ compile = True
 threads = 0  # CPU threads for torch; 0 -> all cores
 seed = 1337
 # -------------------------------------------------------------------------------------------------
-
-# the nanoT5 paper's Table 1: seconds per step of its T5-v1.1-base pre-training step on one A100
-PAPER_A100_S_PER_STEP = {("float32", False): 4.10, ("tfloat32", False): 1.39, ("bfloat16", False): 1.30,
-                         ("tfloat32", True): 0.95, ("bfloat16", True): 0.56}
-TABLE_ROWS = [(row_dtype, row_compile) for row_compile in (False, True)
-              for row_dtype in ("float32", "tfloat32", "bfloat16")]
 
 def timed(fn):
     t0 = time.perf_counter()
@@ -216,84 +204,29 @@ def print_profile(fn, rt, rows=30):
     print0(f"attention: {', '.join(attention) or 'none found'}; {kernels:,} " +
            ("CUDA kernels in one step" if on == "cuda" else "CPU ops at the top level in one step"))
 
-def bench_train_fitting(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length,
-                        compile_model, **kwargs):
-    """(micro-batch, bench_train's results) at the largest power-of-two micro-batch that fits,
-    halving it (raising grad_accum_steps) after each torch.OutOfMemoryError; raises the last one if
-    not one example fits"""
-    micro = 1
-    while micro * 2 <= batch_size // grad_accum_steps and batch_size % (micro * 2) == 0:
-        micro *= 2
-    while True:
-        try:
-            return micro, bench_train(rt, model_name, vocab_size, batch_size, batch_size // micro,
-                                      input_length, compile_model, **kwargs)
-        except torch.OutOfMemoryError:
-            if micro == 1:
-                raise
-        # out of the except block: the failed attempt's tensors, which its traceback held, are freed
-        micro //= 2
-        gc.collect()
-        if rt.device_type == "cuda":
-            torch.cuda.empty_cache()
-
-def print_table(device, model_name, vocab_size, batch_size, input_length, rows, **kwargs):
-    """one line per (dtype, compile) row, at the micro-batch that fits; a row that fails says why"""
-    print0(f"{'precision':>10s} {'compile':>8s} {'micro':>6s} {'s/step':>8s} {'tokens/s':>10s} "
-           f"{'MFU':>6s} {'peak mem':>9s} {'1st call':>8s} {'paper, A100':>12s}")
-    for row_dtype, row_compile in rows:
-        paper = PAPER_A100_S_PER_STEP.get((row_dtype, row_compile))
-        paper_text = f"{paper:12.2f}" if paper else f"{'-':>12s}"
-        head = f"{row_dtype:>10s} {'yes' if row_compile else 'no':>8s}"
-        row_rt = setup_runtime(device, row_dtype)
-        if row_dtype == "tfloat32" and row_rt.device_type != "cuda":
-            print0(f"{head}  skipped: TF32 is an NVIDIA GPU's mode, here float32   {paper_text}")
-            continue
-        try:
-            micro, (dt, tokens_per_s, mfu_now, memory, first) = bench_train_fitting(
-                row_rt, model_name, vocab_size, batch_size, 1, input_length, row_compile, **kwargs)
-        except Exception as e:  # out of memory at micro-batch 1, a compiler error
-            reason = (str(e).strip().splitlines() or [""])[0][:80]
-            print0(f"{head}  failed: {type(e).__name__}: {reason}")
-            continue
-        mfu_text = f"{100 * mfu_now:5.1f}%" if mfu_now else f"{'-':>6s}"
-        first_text = f"{first:7.1f}s" if first is not None else f"{'-':>8s}"
-        print0(f"{head} {micro:6d} {dt:8.2f} {tokens_per_s:10,.0f} {mfu_text} "
-               f"{memory / 2**30:7.2f}GB {first_text} {paper_text}")
-
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     check_config(config, [
-        ("part", part in ("train", "optim"), "train or optim"),
         ("compare", compare in ("", "hf", "null"), "'', hf or null"),
-        ("compare", compare != "hf" or part == "train", "'' or null with part=optim"),
         ("model", model in ("", *PRESETS), f"'' or one of {', '.join(PRESETS)}"),
         ("input_length", input_length >= 3, ">= 3"),
         *[(key, globals()[key] >= 0, ">= 0") for key in ("burn_in", "batch_size", "threads",
                                                           "peak_flops")],
         *[(key, globals()[key] > 0, "> 0") for key in ("steps", "grad_accum_steps")],
-        ("table", not (table or profile) or part == "train" and not compare,
-         "False with --part or --compare"),
+        ("profile", not profile or not compare, "False with --compare"),
     ])
     torch.set_num_threads(threads or os.cpu_count())
     rt = setup_runtime(device, dtype, seed)
     on_cuda = rt.device_type == "cuda"
     model = model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small")
     batch_size = batch_size or (128 if on_cuda else 4)
-    micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # a batch that won't split: a line
+    micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # error if the batch won't split
     vocab_size = T5Config.from_preset(model).vocab_size
     name = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
-    print0(f"{name} | {model} | {part} | batch {batch_size} x {input_length} | {rt.dtype} | "
+    print0(f"{name} | {model} | batch {batch_size} x {input_length} | {rt.dtype} | "
            f"compile={compile} | random ids")
 
-    if table:  # every row, or those of the dtype and compile given
-        given = [arg.split("=")[0] for arg in sys.argv[1:]]  # the rows of a dtype or compile given
-        rows = [(row_dtype, row_compile) for row_dtype, row_compile in TABLE_ROWS
-                if ("--dtype" not in given or row_dtype == dtype)
-                and ("--compile" not in given or row_compile == compile)]
-        print_table(device, model, vocab_size, batch_size, input_length, rows, steps=steps,
-                    burn_in=burn_in, peak_flops=peak_flops, seed=seed)
-    elif part == "train" and not compare:
+    if not compare:  # ours alone
         dt, tokens_per_s, mfu_now, memory, first = bench_train(
             rt, model, vocab_size, batch_size, grad_accum_steps, input_length, compile, steps,
             burn_in, peak_flops, seed, profile)
@@ -301,21 +234,6 @@ if __name__ == "__main__":
         first_text = f" | first call (compile): {first:.2f} s" if compile and burn_in else ""
         print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | peak memory "
                f"{memory / 2**30:.2f} GB{first_text}")
-    elif part == "optim":
-        t5 = build_model(rt, model, vocab_size, seed)
-        other = copy.deepcopy(t5)
-        for p, q in zip(t5.parameters(), other.parameters()):
-            p.grad = torch.randn_like(p) * 1e-3
-            q.grad = p.grad.clone()
-        ours = make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2, compile)
-        if compare == "null":
-            again = make_optimizer("adamwscale", param_groups(other, 0.0), 2e-2, compile)
-            reference = ("AdamWScale again", again.step)
-        else:
-            adamw = torch.optim.AdamW(other.parameters(), foreach=True)
-            reference = ("AdamW(foreach=True)", adamw.step)
-        print0(f"one optimizer step over {t5.num_params():,} parameters")
-        side_by_side(("AdamWScale", ours.step), reference, t5.num_params(), "param", steps, burn_in)
     else:  # a training step against transformers' or ours again
         t5 = build_model(rt, model, vocab_size, seed)
         theirs = twin(t5, rt, compare)

@@ -1,5 +1,5 @@
-"""bench.py's functions called directly, as a test or a notebook would: a tiny training step, the table's fallback to
-a micro-batch that fits after running out of memory, and the first (compiling) call reported apart."""
+"""bench.py's functions called directly, as a test or a notebook would: a tiny training step, its peak memory, and
+the first (compiling) call reported apart."""
 import re
 
 import pytest
@@ -37,102 +37,41 @@ def test_bench_train_tiny():
     assert mfu == pytest.approx(flops / dt / 1e12)
 
 
-def run_out_of_memory(monkeypatch, fails):
-    """make the training step raise torch.OutOfMemoryError when fails(micro-batch) is true; returns the micro-batch
-    of every step tried"""
-    tried, training_step = [], bench.training_step
-
-    def patched(net, rt, next_batch, *args, **kwargs):
-        step = training_step(net, rt, next_batch, *args, **kwargs)
-
-        def checked():
-            micro_batch = len(next_batch()[0]["input_ids"])
-            tried.append(micro_batch)
-            if fails(micro_batch):
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
-            return step()
-        return checked
-    monkeypatch.setattr(bench, "training_step", patched)
-    return tried
-
-
-def test_out_of_memory_falls_back_to_the_largest_micro_batch_that_fits(monkeypatch):
-    tried = run_out_of_memory(monkeypatch, lambda micro_batch: micro_batch > 1)
-    rt = setup_runtime("cpu", "float32")
-    micro_batch, (dt, tokens_per_s, _, _, _) = bench.bench_train_fitting(rt, *TINY, False, **ONE_STEP)
-    assert micro_batch == 1 and tried == [4, 2, 1, 1]  # the first call of each size, then the timed call
-    assert tokens_per_s == pytest.approx(4 * (32 + TARGETS) / dt)  # still the whole global batch per step
-    tried.clear()
-    with pytest.raises(torch.OutOfMemoryError):
-        run_out_of_memory(monkeypatch, lambda micro_batch: True)
-        bench.bench_train_fitting(rt, *TINY, False, **ONE_STEP)
-
-
-def test_table_finishes_every_row(monkeypatch, capsys):
-    calls = iter(range(100))
-    # the first row runs out of memory at every micro-batch (4, 2, 1); the second fits at 2
-    tried = run_out_of_memory(monkeypatch, lambda micro_batch: next(calls) < 3 or micro_batch > 2)
-    bench.print_table("cpu", "t5-tiny", 256, 4, 32, rows=[("float32", False), ("tfloat32", False),
-                                                        ("float32", False)], **ONE_STEP)
-    lines = capsys.readouterr().out.splitlines()
-    assert tried == [4, 2, 1, 4, 2, 2]
-    failed, skipped, fitted = [line for line in lines if line.lstrip().startswith(("float32", "tfloat32"))]
-    assert "failed: OutOfMemoryError: CUDA out of memory" in failed
-    assert "skipped" in skipped
-    assert fitted.split()[2] == "2"  # the micro-batch column
-
-
-def run_bench(*args, eager=False):
+def run_bench(*args, eager=False, prelude=""):
     """bench.py as a command, on one CPU thread, t5-tiny; eager: with torch.compile's stance force_eager, so that
-    --compile=True runs without compiling"""
+    --compile=True runs without compiling; prelude: Python run first, in the same process"""
     import os
     import subprocess
     import sys
-    script = ["-c", "import runpy, sys, torch; torch.compiler.set_stance('force_eager'); sys.argv = sys.argv[1:]; "
-              "runpy.run_path('bench.py', run_name='__main__')"] if eager else []
+    prelude += "torch.compiler.set_stance('force_eager')\n" if eager else ""
+    script = ["-c", f"import runpy, sys, torch\n{prelude}sys.argv = sys.argv[1:]\n"
+              "runpy.run_path('bench.py', run_name='__main__')"] if prelude else []
     return subprocess.run([sys.executable, *script, "bench.py", "--device=cpu", "--threads=1", "--model=t5-tiny",
                            "--input_length=32", "--steps=1", *args],
                           cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def test_the_table_runs_the_rows_of_the_dtype_and_compile_given():
-    r = run_bench("--table=True", "--compile=False", "--dtype=float32", "--batch_size=2", "--burn_in=0")
-    rows = [line.split()[:2] for line in r.stdout.splitlines() if line.lstrip().startswith(("float32", "tfloat32",
-                                                                                           "bfloat16"))]
-    assert r.returncode == 0 and rows == [["float32", "no"]], r.stdout + r.stderr
+HOLD_MORE = """
+import runtime
+clip_grad_norm = runtime.clip_grad_norm
 
-
-PEAK_SCRIPT = """
-import bench, torch
-torch.set_num_threads(1)
-training_step, extra = bench.training_step, iter([2**27, 0])  # the first row's step holds 512 MiB more
-
-def patched(*args, **kwargs):
-    step, numel = training_step(*args, **kwargs), next(extra)
-
-    def step_and_more():
-        torch.ones(numel).add_(1)  # written, so resident
-        step()
-    return step_and_more
-bench.training_step = patched
-bench.print_table("cpu", "t5-tiny", 256, 4, 32, rows=[("float32", False)] * 2, burn_in=1, steps=1)
+def clip_and_hold_more(*args):
+    torch.ones(2**27).add_(1)  # 512 MiB more in each step, written, so resident
+    return clip_grad_norm(*args)
+runtime.clip_grad_norm = clip_and_hold_more  # bench.py imports it from runtime
 """
 
 
-def test_each_table_row_gets_its_own_peak_memory():
-    # in a process of its own, started while this one holds 2 GiB: an earlier test's memory stays in this one, and
-    # Linux's getrusage gives a process started by fork and exec the peak of its parent as well
-    import os
-    import subprocess
-    import sys
+def test_each_run_gets_its_own_peak_memory():
+    # two runs, started while this process holds 2 GiB: an earlier test's memory stays in this one, and Linux's
+    # getrusage gives a process started by fork and exec the peak of its parent as well
     held = torch.ones(2**29)  # 2 GiB, resident
-    r = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], cwd=os.path.dirname(os.path.abspath(__file__)),
-                       capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    runs = [run_bench("--compile=False", "--dtype=float32", "--batch_size=4", "--burn_in=1", prelude=HOLD_MORE),
+            run_bench("--compile=True", "--dtype=bfloat16", "--batch_size=4", "--burn_in=1", eager=True)]
     del held
-    rows = [line.split() for line in r.stdout.splitlines() if line.lstrip().startswith("float32")]
-    first, second = (float(row[6].removesuffix("GB")) for row in rows)  # the peak memory column
-    assert second < first - 0.25 and first < 2, rows
+    first, second = (float(re.search(r"peak memory ([\d.]+) GB", r.stdout).group(1)) for r in runs)
+    assert second < first - 0.25 and first < 2, [r.stdout + r.stderr for r in runs]
 
 
 def test_no_burn_in_still_prints_the_result():
@@ -183,10 +122,9 @@ def test_the_warm_up_compiles_the_optimizer_update_both_sides_share():
         optimizer.step()
 
 
-@pytest.mark.parametrize("args, sides", [(["--compare=hf"], ["ours", "transformers"]),
-                                         (["--part=optim"], ["AdamWScale", "AdamW(foreach=True)"])])
-def test_compare_times_each_side_then_the_ratio(args, sides):
-    r = run_bench(*args, "--compile=False", "--dtype=float32", "--batch_size=2", "--burn_in=0")
+def test_compare_times_each_side_then_the_ratio():
+    sides = ["ours", "transformers"]
+    r = run_bench("--compare=hf", "--compile=False", "--dtype=float32", "--batch_size=2", "--burn_in=0")
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and [line.split(":")[0].strip() for line in lines[-3:-1]] == sides, r.stdout + r.stderr
     assert lines[-1].startswith(f"{sides[0]} / {sides[1]}: ") and "x the throughput" in lines[-1]
