@@ -8,6 +8,7 @@ instances per task).
     torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True
 """
 import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -62,6 +63,10 @@ dtype = "float32"  # as the paper's fine-tuning numbers
 compile = False  # every new padded prompt length would compile again
 fsdp = False  # under torchrun: FSDP2 sharding instead of DDP
 seed = 1337
+# logging: log.jsonl always; wandb too, if asked for
+wandb_log = False
+wandb_project = "nanoT5"
+wandb_run_name = ""  # '' -> out_dir's folder name
 # -------------------------------------------------------------------------------------------------
 
 def sni_split(data_dir, split):
@@ -198,6 +203,8 @@ if __name__ == "__main__":
         ("max_steps", max_steps >= 0, ">= 0 (0: epochs)"),
         ("eval_interval", eval_interval >= 0, ">= 0 (0: at the end)"),
         ("seed", 0 <= seed < 2**32, "in [0, 2**32), as numpy takes it"),
+        ("wandb_log", not wandb_log or importlib.util.find_spec("wandb"),
+         "False without wandb: pip install wandb"),
         *[(key, globals()[key] >= 0, ">= 0") for key in ("weight_decay", "num_pos_examples")],
         *[(key, globals()[key] > 0, "> 0") for key in (
             "lr", "batch_size", "grad_accum_steps", "epochs", "log_interval", "checkpoint_interval",
@@ -237,10 +244,14 @@ if __name__ == "__main__":
     step, elapsed = checkpoint.restore_state(ckpt, model, opt) if resuming else (0, 0.0)
     for group in opt.param_groups:
         group["lr"].fill_(lr)  # a resume's --lr, not its checkpoint's
-    # what its checkpoints record besides the state: the pre-training data's meta, the tokenizer
-    run = dict(program="finetune.py", config=config, meta=ckpt["meta"], tokenizer=tokenizer.spiece)
+    # what its checkpoints record besides the state: the pre-training data's meta, the tokenizer,
+    # the wandb run (a resume continues it)
+    run = dict(program="finetune.py", config=config, meta=ckpt["meta"], tokenizer=tokenizer.spiece,
+               wandb_id=ckpt.get("wandb_id") if resuming else None)
     ckpt = None  # free the checkpoint's copy of the weights
     logger = runtime.Logger(out_dir, rt.master, step if resuming else None)
+    if wandb_log:
+        run["wandb_id"] = logger.start_wandb(wandb_project, wandb_run_name, config, run["wandb_id"])
 
     @lru_cache(maxsize=1)
     def epoch_order(epoch):

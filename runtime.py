@@ -405,10 +405,13 @@ class Logger:
     """One JSON object per event in out_dir/log.jsonl (rank 0). A new run creates it before writing
     anything else, exclusively (O_EXCL, atomic on local disks and NFS v3+): of two runs started
     together in one out_dir, one goes on and the other stops here. A resume first drops what was
-    logged after its checkpoint, and a last line a kill cut short."""
+    logged after its checkpoint, and a last line a kill cut short. With start_wandb, each record's
+    numbers go to wandb too, at its step."""
 
     def __init__(self, out_dir, master=True, resume_step=None):
+        self.out_dir = out_dir
         self.path = os.path.join(out_dir, "log.jsonl") if master else None
+        self.wandb_run = None
         os.makedirs(out_dir, exist_ok=True)
         if master and resume_step is None:
             try:
@@ -423,8 +426,23 @@ class Logger:
             with atomic_write(self.path, "w") as f:
                 f.writelines(kept)
 
+    def start_wandb(self, project, name, config, run_id=None):
+        """Rank 0's wandb run, its files in out_dir/wandb: run_id's continued (a resume's), or a new
+        one, named name or else out_dir's folder. Returns its id, for the checkpoints to keep."""
+        if self.path is None:
+            return run_id
+        import wandb  # only when asked for
+        name = name or os.path.basename(os.path.abspath(self.out_dir))
+        self.wandb_run = wandb.init(project=project, name=name, config=config, dir=self.out_dir,
+                                    id=run_id, resume="allow")
+        return self.wandb_run.id
+
     def log(self, record):
         if self.path is None:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.wandb_run:  # the numbers: not an evaluation's example texts, nor a missing MFU
+            numbers = {key: value for key, value in record.items()
+                       if isinstance(value, (int, float)) and key != "step"}
+            self.wandb_run.log(numbers, step=record["step"])

@@ -21,6 +21,7 @@ from model import T5, T5Config
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_checkpoint, save_pretrained
 from checkpoint import tokenizer_of
 from prepare import prepare
+from test_train import wandb_runs
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
@@ -29,7 +30,7 @@ WORDS = "red green blue cat dog bird tree river stone house road light water fir
 
 
 def run(args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")  # wandb's files only
     return subprocess.run([sys.executable, "finetune.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
 
@@ -278,15 +279,17 @@ SMALL_RUN = ["--max_num_instances_per_task=4", "--batch_size=4", "--max_new_toke
 def test_a_signal_saves_and_stops_and_the_resume_reads_the_tokenizer_of_the_start(sni_dir, ckpt_path, tmp_path):
     """Evaluating at every step, as train.py, but not after the signal's save. And from Hugging Face weights with a
     spiece.model of their own: the run's checkpoints carry it, so that its resume (and sample.py, export.py) read it,
-    not T5's (before, a resume fell back to T5's tokenizer, here out of reach offline)"""
+    not T5's (before, a resume fell back to T5's tokenizer, here out of reach offline). Logged to wandb (offline), the
+    resume continues the run's wandb run."""
     ckpt = load_checkpoint(find_checkpoint(ckpt_path))
     hf, out = str(tmp_path / "hf"), str(tmp_path / "ft")
     save_pretrained(model_from_checkpoint(ckpt), hf, ckpt["tokenizer"])
-    common = [f"--data_dir={sni_dir}", *SMALL_RUN, f"--out_dir={out}"]
+    common = [f"--data_dir={sni_dir}", *SMALL_RUN, f"--out_dir={out}", "--wandb_log=True"]
     proc = subprocess.Popen([sys.executable, "finetune.py", *common, f"--init_from={hf}", "--max_steps=100000",
                              "--eval_interval=1", "--log_interval=1", "--checkpoint_interval=100000"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+                                     WANDB_MODE="offline"))
     stdout = ""
     while "step 2: Rouge-L" not in stdout and proc.poll() is None:
         stdout += proc.stdout.readline()
@@ -297,6 +300,12 @@ def test_a_signal_saves_and_stops_and_the_resume_reads_the_tokenizer_of_the_star
     step = load_checkpoint(find_checkpoint(out), weights=False)["step"]
     assert step >= 2 and f"stopped by signal at step {step}" in stdout, stdout
     assert f"step {step - 1}: Rouge-L" in stdout and f"step {step}: Rouge-L" not in stdout, stdout
+    wandb_id = load_checkpoint(find_checkpoint(out), weights=False)["wandb_id"]
     r = run([*common, "--init_from=resume", f"--max_steps={step + 1}"])
     assert r.returncode == 0, r.stderr
-    assert load_checkpoint(find_checkpoint(out), weights=False)["tokenizer"] == ckpt["tokenizer"]
+    resumed = load_checkpoint(find_checkpoint(out), weights=False)
+    assert resumed["tokenizer"] == ckpt["tokenizer"]
+    (first, first_history), (again, again_history) = wandb_runs(out)
+    assert first.run_id == again.run_id == wandb_id == resumed["wandb_id"]
+    assert "loss" in first_history[step] and "rougeL" in first_history[step - 1]
+    assert "loss" in again_history[step + 1] and "rougeL" in again_history[step + 1]

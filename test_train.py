@@ -2,6 +2,7 @@
 train.py and configurator.py, run as a user runs them: as subprocesses on data the tests make themselves.
 Covers learning, exact kill-and-resume, DDP == one process, signals, and the one-line errors for bad input.
 """
+import glob
 import json
 import os
 import random
@@ -36,10 +37,15 @@ def read_log(out_dir):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def saved_state(out_dir):
+    """what out_dir's newest checkpoint holds but its tensors"""
+    from checkpoint import find_checkpoint, load_checkpoint
+    return load_checkpoint(find_checkpoint(out_dir), weights=False)
+
+
 def saved_step(out_dir):
     """the step of out_dir's newest checkpoint"""
-    from checkpoint import find_checkpoint, load_checkpoint
-    return load_checkpoint(find_checkpoint(out_dir), weights=False)["step"]
+    return saved_state(out_dir)["step"]
 
 
 def checkpoint_bytes(out_dir):
@@ -47,6 +53,38 @@ def checkpoint_bytes(out_dir):
     folder = os.path.join(out_dir, "ckpt")
     return {os.path.join(root, name): open(os.path.join(root, name), "rb").read()
             for root, _, names in os.walk(folder) for name in names}
+
+
+def wandb_runs(out_dir):
+    """out_dir's offline wandb runs, oldest first, read back from wandb's own transaction logs: for each, its run
+    record (id, name, project) and {step: the numbers logged at it}. A log is LevelDB's log format after wandb's 7-byte
+    header: 32 KiB blocks of entries (crc32c, length, type: 1 whole, 2-4 a record's first, middle, last part), each
+    record a protobuf wandb_internal_pb2.Record"""
+    from wandb.proto.wandb_internal_pb2 import Record
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "wandb", "offline-run-*", "run-*.wandb"))):  # by start time
+        with open(path, "rb") as f:
+            data = f.read()
+        assert data[:4] == b":W&B", path
+        run_record, history, pos, parts = None, {}, 7, b""
+        while len(data) - pos >= 7:
+            if 32768 - pos % 32768 < 7:  # a block's last bytes, too few for an entry: zeros
+                pos += 32768 - pos % 32768
+                continue
+            length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+            parts += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):
+                record = Record.FromString(parts)
+                parts = b""
+                if record.HasField("run"):
+                    run_record = record.run
+                if record.HasField("history"):  # less wandb's own _step, _runtime, _timestamp
+                    items = {item.key or "/".join(item.nested_key): item for item in record.history.item}
+                    history[record.history.step.num] = {key: json.loads(item.value_json)
+                                                        for key, item in items.items() if key[0] != "_"}
+        runs.append((run_record, history))
+    return runs
 
 
 def start_until_step(args, out_dir, step):
@@ -513,3 +551,45 @@ def test_sigterm_between_log_steps_stops_within_steps_and_resumes_exactly(data_d
     assert run([*launch, "train.py", *args, f"--out_dir={straight}", f"--max_steps={step + 3}"]).returncode == 0
     resumed, never_stopped = read_log(str(stopped)), read_log(str(straight))
     assert [resumed[k] for k in range(step + 1, step + 4)] == [never_stopped[k] for k in range(step + 1, step + 4)]
+
+
+def test_wandb_logs_what_log_jsonl_logs_and_a_resume_continues_its_run(data_dir, tmp_path):
+    """Offline, read back from wandb's own files: each run holds log.jsonl's numbers at their steps (the train and
+    evaluation records of a step together); a resume goes on with the wandb run its checkpoint saved; a new run from
+    that run's weights is a wandb run of its own"""
+    out, new = str(tmp_path / "run"), str(tmp_path / "new")
+    args = [*TINY, f"--data_dir={data_dir}", "--wandb_log=True"]
+    offline = {"WANDB_MODE": "offline"}
+    r = run(["train.py", *args, f"--out_dir={out}", "--max_steps=3"], offline)
+    assert r.returncode == 0, r.stderr
+    first_id = saved_state(out)["wandb_id"]
+    r = run(["train.py", *args, f"--out_dir={out}", "--max_steps=5", "--init_from=resume"], offline)
+    assert r.returncode == 0, r.stderr
+    logged = {}
+    with open(os.path.join(out, "log.jsonl")) as f:
+        for record in map(json.loads, f):  # its numbers: not the examples' texts, nor the MFU a CPU has none of
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            logged.setdefault(record["step"], {}).update(numbers)
+    assert "val_loss" in logged[3] and "val_loss" in logged[5]
+    (first, first_history), (resumed, resumed_history) = wandb_runs(out)
+    assert first.run_id == resumed.run_id == first_id == saved_state(out)["wandb_id"]
+    assert (first.display_name, first.project) == ("run", "nanoT5")  # out_dir's folder, the default project
+    assert first_history == {step: logged[step] for step in (1, 2, 3)}
+    assert resumed_history == {step: logged[step] for step in (4, 5)}
+
+    r = run(["train.py", *args, f"--out_dir={new}", f"--init_from={out}", "--max_steps=1",
+             "--wandb_run_name=from-run", "--wandb_project=other"], offline)
+    assert r.returncode == 0, r.stderr
+    [(started, history)] = wandb_runs(new)
+    assert started.run_id == saved_state(new)["wandb_id"] != first_id
+    assert (started.display_name, started.project) == ("from-run", "other") and sorted(history) == [1]
+
+
+@pytest.mark.parametrize("script", ["train.py", "finetune.py"])
+def test_wandb_log_without_wandb_is_one_line(script, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None  # as if not installed\n")
+    out = tmp_path / "out"
+    r = run([script, "--wandb_log=True", f"--out_dir={out}"], {"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 1 and r.stderr == ("error: config key 'wandb_log' is True; it must be False without wandb: "
+                                              "pip install wandb\n"), r.stderr
+    assert not out.exists()

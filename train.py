@@ -5,6 +5,7 @@ Pre-trains T5 v1.1 with span corruption: nanoT5's recipe as one flat loop, read 
     python train.py config/t5_tiny.py                                    # the CPU demo
 """
 import dataclasses
+import importlib.util
 import os
 import time
 
@@ -56,6 +57,10 @@ fsdp = False  # under torchrun: shard weights, gradients and optimizer state (FS
 shard_across_nodes = False  # fsdp over nodes: False shards within each, replicates across (HSDP)
 seed = 1337
 peak_flops = 0.0  # dense peak FLOP/s of one GPU, for MFU; 0 -> runtime.PEAK_FLOPS
+# logging: log.jsonl always; wandb too, if asked for
+wandb_log = False
+wandb_project = "nanoT5"
+wandb_run_name = ""  # '' -> out_dir's folder name
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # the values that would never end, fail obscurely or train silently wrong: refused, a line each
 runtime.check_config(config, [
@@ -69,6 +74,8 @@ runtime.check_config(config, [
     ("warmup_start_factor", 0 <= warmup_start_factor <= 1, "in [0, 1]"),
     ("seed", 0 <= seed < 2**32, "in [0, 2**32), as numpy takes it"),
     ("shard_across_nodes", fsdp or not shard_across_nodes, "False without fsdp=True"),
+    ("wandb_log", not wandb_log or importlib.util.find_spec("wandb"),
+     "False without wandb: pip install wandb"),
     *[(key, globals()[key] >= 0, ">= 0") for key in ("grad_clip", "time_budget_hours", "min_lr",
                                                      "warmup_steps", "weight_decay", "peak_flops")],
     *[(key, globals()[key] > 0, "> 0") for key in ("lr", "batch_size", "grad_accum_steps",
@@ -118,6 +125,7 @@ print0(f"{t5.num_params() / 1e6:.1f}M parameters")
 opt = make_optimizer(optimizer, param_groups(t5, weight_decay), lr, compile)
 # resuming: the optimizer state and the RNG; the steps done, and the training seconds (a budget's)
 step, elapsed = checkpoint.restore_state(ckpt, t5, opt) if init_from == "resume" else (0, 0.0)
+wandb_id = ckpt.get("wandb_id") if init_from == "resume" else None  # its wandb run goes on
 ckpt = None  # free the checkpoint's copy of the weights
 if step >= max_steps:  # a resume with nothing left to train
     raise SystemExit(f"error: {out_dir} is at step {step} of max_steps={max_steps}: raise it")
@@ -133,7 +141,10 @@ print0(f"span accuracy baseline {span_baseline:.4f}: always writing the commones
 demo_inputs, demo_labels = (t[:2] for t in val_data.get(0, device=rt.device))
 demo_tokens = max(tok.shown_length(labels) for labels in demo_labels.tolist())  # what they need
 logger = runtime.Logger(out_dir, rt.master, step if init_from == "resume" else None)
-run = dict(program="train.py", config=config, meta=meta, tokenizer=tok.spiece)  # for checkpoints
+if wandb_log:
+    wandb_id = logger.start_wandb(wandb_project, wandb_run_name, config, wandb_id)
+run = dict(program="train.py", config=config, meta=meta, tokenizer=tok.spiece,  # for checkpoints
+           wandb_id=wandb_id)
 peak = rt.peak_flops(peak_flops)
 
 @torch.no_grad()
