@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from model import PRESETS, T5, T5Config
-from prepare import T5_SPIECE_SHA256, Tokenizer, read_tokenizer, t5_spiece
+from prepare import (BPE_PATTERN, NUM_SENTINELS, T5_SPIECE_SHA256, TIKTOKEN_LINE, Tokenizer,
+                     read_ranks, read_tokenizer, t5_spiece)
 from runtime import atomic_write, print0, rank, set_values
 
 # one process saves and loads without a process group, as it means to: no warning each time
@@ -115,7 +116,7 @@ def load_checkpoint(path, weights=True):
         if file and not os.path.isfile(file):
             raise SystemExit(f"error: {path} reads the tokenizer of its data folder, and {file} is "
                              f"gone: put the folder back there, or prepare it again")
-        ckpt["tokenizer"] = read_tokenizer(file).spiece if file else None
+        ckpt["tokenizer"] = read_tokenizer(file).data if file else None
     return ckpt
 
 def newest_checkpoint(out_dir):
@@ -200,7 +201,7 @@ def check_tokenizer(ckpt, meta, source):
                          f"{sha256[:12]}, model vocab {vocab_size}) than {meta['data_dir']}'s "
                          f"(sha256 {meta['tokenizer_sha256'][:12]}, {meta['model_vocab_size']}): "
                          f"prepare the data with the model's own tokenizer (prepare.py "
-                         f"--tokenizer=t5 for Google's T5s, or an export's spiece.model)")
+                         f"--tokenizer=t5 for Google's T5s, or an export's tokenizer file)")
 
 def tokenizer_of(ckpt, source):
     """The tokenizer of a checkpoint's model: the one it carries; for Hugging Face weights the
@@ -307,7 +308,7 @@ def hf_names(model):
             yield name, name.replace('ln_f', 'final_layer_norm')
 
 def read_hf(name_or_dir):
-    """(T5Config, state dict in our names, the spiece.model beside them or None: T5's) of a
+    """(T5Config, state dict in our names, the tokenizer beside them or None: T5's) of a
     gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5) from a Hub id, or a folder of config.json
     and model.safetensors or pytorch_model.bin"""
     folder = name_or_dir if os.path.isdir(name_or_dir) else download(name_or_dir)
@@ -315,13 +316,14 @@ def read_hf(name_or_dir):
         raise SystemExit(NOTHING_THERE.format(name_or_dir, ""))
     with open(os.path.join(folder, 'config.json')) as f:
         hf = json.load(f)
-    tokenizer = None
-    if os.path.isfile(os.path.join(folder, 'spiece.model')):
-        with open(os.path.join(folder, 'spiece.model'), 'rb') as f:
-            tokenizer = f.read()
+    tokenizer, name = None, 'spiece.model'
+    for file in ('spiece.model', 'tokenizer.tiktoken'):  # a sentencepiece model, a BPE's ranks
+        if os.path.isfile(os.path.join(folder, file)):
+            with open(os.path.join(folder, file), 'rb') as f:
+                tokenizer, name = f.read(), file
     recorded = hf.get('tokenizer_sha256')  # export.py's: the tokenizer the model was trained with
     if recorded and recorded != (tokenizer and hashlib.sha256(tokenizer).hexdigest()):
-        raise SystemExit(f"error: {folder}/spiece.model is not the tokenizer its config.json "
+        raise SystemExit(f"error: {folder}/{name} is not the tokenizer its config.json "
                          f"records (tokenizer_sha256 {recorded[:12]}): copy the model's own "
                          f"tokenizer there")
     if hf.get('feed_forward_proj', 'relu') != 'gated-gelu':
@@ -346,8 +348,9 @@ def read_hf(name_or_dir):
 
 def save_pretrained(model, folder, tokenizer=None):
     """config.json and model.safetensors, which transformers' T5ForConditionalGeneration reads, and
-    the tokenizer (a sentencepiece model's bytes; None: T5's) as spiece.model, recorded in
-    config.json; each file written whole, config.json last: a folder without it is no weights"""
+    the tokenizer (its file's bytes; None: T5's), recorded in config.json: a sentencepiece model as
+    spiece.model, a BPE's ranks as tokenizer.tiktoken and as transformers' tokenizer.json; each file
+    written whole, config.json last: a folder without it is no weights"""
     from safetensors.torch import save
     c = model.config
     state_dict = model.state_dict()
@@ -361,12 +364,37 @@ def save_pretrained(model, folder, tokenizer=None):
     os.makedirs(folder, exist_ok=True)
     if tokenizer:
         hf['tokenizer_sha256'] = hashlib.sha256(tokenizer).hexdigest()
-        with atomic_write(os.path.join(folder, 'spiece.model')) as f:
+        bpe = TIKTOKEN_LINE.match(tokenizer)
+        name = 'tokenizer.tiktoken' if bpe else 'spiece.model'
+        with atomic_write(os.path.join(folder, name)) as f:
             f.write(tokenizer)
+        if bpe:
+            save_hf_tokenizer(Tokenizer(tokenizer), folder)
     with atomic_write(os.path.join(folder, 'model.safetensors')) as f:
         f.write(save(tensors, metadata={'format': 'pt'}))
     with atomic_write(os.path.join(folder, 'config.json'), 'w') as f:
         json.dump(hf, f, indent=2)
+
+def save_hf_tokenizer(tok, folder):
+    """A BPE tokenizer as transformers' AutoTokenizer reads it: tokenizer.json, by transformers'
+    converter, and tokenizer_config.json; <|endoftext|> and the sentinels special at their ids, EOS
+    appended to a text's ids as T5's tokenizer does"""
+    from tokenizers.processors import TemplateProcessing
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class RanksConverter(TikTokenConverter):  # the ranks from memory: tiktoken caches files by path
+        def load_tiktoken_bpe(self, data):
+            return read_ranks(data)
+    eos = "<|endoftext|>"
+    special = [eos] + [f"<extra_id_{i}>" for i in reversed(range(NUM_SENTINELS))]  # in id order
+    converted = RanksConverter(tok.data, BPE_PATTERN, extra_special_tokens=special).converted()
+    converted.post_processor = TemplateProcessing(single=f"$A {eos}",
+                                                  special_tokens=[(eos, tok.eos_id)])
+    with atomic_write(os.path.join(folder, 'tokenizer.json'), 'w') as f:
+        f.write(converted.to_str())
+    config = dict(tokenizer_class='PreTrainedTokenizerFast', eos_token=eos, pad_token=eos)
+    with atomic_write(os.path.join(folder, 'tokenizer_config.json'), 'w') as f:
+        json.dump(config, f, indent=2)
 
 def download(repo_id):
     """a Hub model's folder in the Hugging Face cache: config.json and the weights (safetensors)"""
@@ -375,7 +403,7 @@ def download(repo_id):
     from huggingface_hub import snapshot_download
     try:  # offline, an unknown or a gated repo: in seconds, not after minutes of retries
         for weights in ('*.safetensors', 'pytorch_model*.bin'):  # the older format if no other
-            files = ['config.json', 'spiece.model', weights]
+            files = ['config.json', 'spiece.model', 'tokenizer.tiktoken', weights]
             folder = snapshot_download(repo_id, allow_patterns=files, etag_timeout=5)
             if glob.glob(os.path.join(folder, weights)):
                 break

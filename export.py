@@ -1,7 +1,8 @@
 """
 Exports a run of train.py or finetune.py in Hugging Face's format: config.json, model.safetensors
-and the tokenizer its checkpoint carries as spiece.model, which transformers'
-T5ForConditionalGeneration and sample.py read back as the run.
+and the tokenizer its checkpoint carries (spiece.model; a BPE's tokenizer.tiktoken, and
+tokenizer.json for transformers' AutoTokenizer), which transformers' T5ForConditionalGeneration
+and sample.py read back as the run.
     python export.py --init_from=out/t5_tiny --out_dir=out/t5_tiny_hf
 """
 import os
@@ -25,6 +26,6 @@ if __name__ == "__main__":
     model, ckpt = load_model(init_from)
     tokenizer_of(ckpt, init_from)  # checked against the model before any write
     save_pretrained(model, out_dir, ckpt["tokenizer"])  # None: T5's, which transformers knows
-    spiece = ", with its tokenizer as spiece.model" if ckpt["tokenizer"] else ""
+    spiece = ", with its tokenizer" if ckpt["tokenizer"] else ""
     print(f"{out_dir}: {init_from} ({model.num_params() / 1e6:.1f}M parameters) as Hugging Face's "
           f"T5ForConditionalGeneration{spiece}")

@@ -246,7 +246,7 @@ if __name__ == "__main__":
         group["lr"].fill_(lr)  # a resume's --lr, not its checkpoint's
     # what its checkpoints record besides the state: the pre-training data's meta, the tokenizer,
     # the wandb run (a resume continues it)
-    run = dict(program="finetune.py", config=config, meta=ckpt["meta"], tokenizer=tokenizer.spiece,
+    run = dict(program="finetune.py", config=config, meta=ckpt["meta"], tokenizer=tokenizer.data,
                wandb_id=ckpt.get("wandb_id") if resuming else None)
     ckpt = None  # free the checkpoint's copy of the weights
     logger = runtime.Logger(out_dir, rt.master, step if resuming else None)

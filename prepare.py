@@ -5,9 +5,11 @@ meta.json and its tokenizer. data.py makes the batches.
     python prepare.py --dataset=c4 --max_train_tokens=4_800_000_000     # what nanoT5's recipe reads
     python prepare.py --dataset=my.jsonl.gz --tokenizer=train --vocab_size=16000 --out_dir=data/my
     python prepare.py --dataset=pydoc --tokenizer=train --vocab_size=1000 --out_dir=data/pydoc
+    python prepare.py --dataset=c4 --tokenizer=gpt2 --out_dir=data/c4_gpt2   # GPT-2's, by tiktoken
 out_dir gets train_000.bin, ..., val.bin, the tokenizer and meta.json, which says what each file
 holds: killed, the same command continues from the last finished shard.
 """
+import base64
 import hashlib
 import io
 import itertools
@@ -22,6 +24,8 @@ from contextlib import closing, suppress
 
 import numpy as np
 import sentencepiece as spm
+import tiktoken
+import tiktoken_ext.openai_public
 from tqdm import tqdm
 
 from runtime import atomic_write, check_config
@@ -30,11 +34,15 @@ NUM_SENTINELS = 100
 MAX_VOCAB_SIZE = (1 << 16) - NUM_SENTINELS  # ids are stored as uint16
 # T5 v1.1's spiece.model (t5-v1_1, flan-t5, nanoT5), as the Hub serves it: the sha256 of its bytes
 T5_SPIECE_SHA256 = "d60acb128cf7b7f2536e8f38a5b18a05535c9e14c7a355904270e15b0945ea86"
+# a tiktoken ranks file's first line, "base64(piece) rank"; a sentencepiece model is a protobuf
+TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+\n")
+# GPT-2's split of a text into words, inside which BPE merges bytes
+BPE_PATTERN = tiktoken_ext.openai_public.r50k_pat_str
 # -------------------------------------------------------------------------------------------------
 # default config for `python prepare.py`; --key=value overrides these
 dataset = "c4"  # 'c4', a Hub dataset, a .txt/.jsonl/.json/.parquet file (or .gz), 'pydoc' (offline)
 text_field = "text"
-tokenizer = "t5"  # 't5', a sentencepiece .model file, or 'train' (a new sentencepiece model)
+tokenizer = "t5"  # 't5', 'gpt2', a sentencepiece .model or tiktoken .tiktoken file, or 'train'
 vocab_size = 32000  # pieces of the trained model, for tokenizer='train'
 out_dir = "data/c4"
 max_train_tokens = 0  # stop after this many train tokens; 0 = the whole dataset
@@ -105,21 +113,25 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
     return meta
 
 def write_tokenizer(tokenizer, vocab_size, out_dir, docs):
-    """a new folder's tokenizer, tokenizer.model, and what meta.json records of it"""
+    """a new folder's tokenizer, tokenizer.model or .tiktoken, and what meta.json records of it"""
     if tokenizer == "train":
         print(f"training a {vocab_size}-piece sentencepiece model on the corpus")
         tok = Tokenizer(train_spiece(docs("train"), vocab_size))
+    elif tokenizer == "gpt2":
+        tok = Tokenizer(gpt2_ranks())
     else:
         source = t5_spiece() if tokenizer == "t5" else tokenizer
         if not os.path.isfile(source):
-            raise SystemExit(f"error: tokenizer '{tokenizer}' is not t5, train or a .model file")
-        tok = read_tokenizer(source)  # a sentencepiece model: read before it is copied
+            raise SystemExit(f"error: tokenizer '{tokenizer}' is not t5, gpt2, train or a .model or "
+                             f".tiktoken file")
+        tok = read_tokenizer(source)  # a tokenizer: read before it is copied
     if tok.vocab_size > 1 << 16:
         raise SystemExit(f"error: the tokenizer's {tok.vocab_size} ids don't fit uint16: use at "
                          f"most {MAX_VOCAB_SIZE}")
-    with atomic_write(os.path.join(out_dir, "tokenizer.model")) as f:
-        f.write(tok.spiece)
-    return {"tokenizer_file": "tokenizer.model", **tok.identity()}
+    name = "tokenizer.tiktoken" if tok.tiktoken else "tokenizer.model"
+    with atomic_write(os.path.join(out_dir, name)) as f:
+        f.write(tok.data)
+    return {"tokenizer_file": name, **tok.identity()}
 
 def shard_name(i):
     return f"train_{i:03d}.bin"
@@ -245,20 +257,34 @@ def hub_check(repo_id, repo_type, hint):
         raise SystemExit(f"error: can't get the {repo_type} '{repo_id}' from the Hugging Face Hub "
                          f"({type(e).__name__}): check the name, or {hint}") from None
 
-# the tokenizer: sentencepiece's, with 100 sentinels appended to its vocab
+# the tokenizer: sentencepiece's or a byte-level BPE's, with 100 sentinels appended to its vocab
 
 class Tokenizer:
-    """A sentencepiece model (spiece: its file's bytes) as T5 has it: pad 0, eos 1, unk 2,
-    <extra_id_i> = pieces + 99 - i. The sha256 of those bytes names it: two tokenizers of one vocab
-    size may give an id two meanings."""
-    def __init__(self, spiece):
-        self.spiece = spiece
-        self.sha256 = hashlib.sha256(spiece).hexdigest()
-        self.sp = spm.SentencePieceProcessor(model_proto=spiece)
-        self.vocab_size = self.sp.get_piece_size() + NUM_SENTINELS
-        self.eos_id, self.pad_id, self.unk_id = self.sp.eos_id(), self.sp.pad_id(), self.sp.unk_id()
+    """A tokenizer file's bytes (data), with T5's sentinels after its ids: <extra_id_i> = vocab_size
+    - 1 - i. A sentencepiece model as T5 has it: pad 0, eos 1, unk 2. A tiktoken ranks file (GPT-2's
+    for --tokenizer=gpt2), split as GPT-2 splits: ids are the ranks, then <|endoftext|> as EOS, pad
+    and decoder start (GPT-2: 50,256 ranks, EOS 50256, <extra_id_0> 50356). The sha256 of the bytes
+    names it: two tokenizers of one vocab size may give an id two meanings."""
+    def __init__(self, data):
+        self.data = data
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.tiktoken = TIKTOKEN_LINE.match(data) is not None
+        if self.tiktoken:
+            ranks = read_ranks(data)
+            self.bpe = tiktoken.Encoding("bpe", pat_str=BPE_PATTERN, mergeable_ranks=ranks,
+                                         special_tokens={})
+            self.encode, self.decode_run = self.bpe.encode_ordinary, self.bpe.decode
+            self.eos_id = self.pad_id = len(ranks)  # <|endoftext|>
+            self.unk_id = None  # bytes: no text is unknown
+            pieces = len(ranks) + 1
+        else:
+            self.sp = spm.SentencePieceProcessor(model_proto=data)
+            self.encode, self.decode_run = self.sp.encode, self.sp.decode
+            self.eos_id, self.pad_id = self.sp.eos_id(), self.sp.pad_id()
+            self.unk_id = self.sp.unk_id()
+            pieces = self.sp.get_piece_size()
+        self.vocab_size = pieces + NUM_SENTINELS
         self.first_sentinel_id = self.vocab_size - 1
-        self.encode = self.sp.encode
 
     @property
     def model_vocab_size(self):
@@ -273,7 +299,10 @@ class Tokenizer:
     def encode_documents(self, texts):
         """(uint16 ids of all texts, each followed by EOS; each one's length)"""
         # int arrays, not lists: a Python int per token would hold the GIL
-        ids = self.sp.encode(texts, add_eos=True, num_threads=1, out_type="numpy")
+        if self.tiktoken:
+            ids = [np.append(self.bpe.encode_to_numpy(text), self.eos_id) for text in texts]
+        else:
+            ids = self.sp.encode(texts, add_eos=True, num_threads=1, out_type="numpy")
         lengths = np.array([len(x) for x in ids], dtype=np.int64)
         return np.concatenate(ids).astype(np.uint16), lengths
 
@@ -281,17 +310,19 @@ class Tokenizer:
         return self.first_sentinel_id - NUM_SENTINELS < i <= self.first_sentinel_id
 
     def decode(self, ids, skip_special_tokens=False):
-        """text as T5's tokenizer shows it, or as HF's skip_special_tokens=True (Tk-Instruct's)"""
+        """text as T5's tokenizer (a BPE's: its export's) shows it, or as HF's
+        skip_special_tokens=True (Tk-Instruct's)"""
         skipped = {self.pad_id, *((self.eos_id, self.unk_id) if skip_special_tokens else ())}
         parts = []
         run = []
         for i in map(int, ids):
             if self.is_sentinel(i) and not skip_special_tokens:
-                parts += [self.sp.decode(run), f"<extra_id_{self.first_sentinel_id - i}>"]
+                parts += [self.decode_run(run), f"<extra_id_{self.first_sentinel_id - i}>"]
                 run = []
             elif not self.is_sentinel(i) and i not in skipped and i < self.vocab_size:  # no padding
                 run.append(i)
-        return " ".join(part for part in parts + [self.sp.decode(run)] if part)
+        joint = "" if self.tiktoken else " "  # a BPE's pieces keep their spaces
+        return joint.join(part for part in parts + [self.decode_run(run)] if part)
 
     def shown_length(self, ids, num_spans=3):
         """how many of ids (a fill or a true fill) hold their first num_spans spans"""
@@ -316,11 +347,33 @@ class Tokenizer:
 
 def read_tokenizer(path):
     with open(path, "rb") as f:
-        spiece = f.read()
+        data = f.read()
     try:
-        return Tokenizer(spiece)
-    except RuntimeError:  # sentencepiece's "INTERNAL: ... ParseFromArray"
-        raise SystemExit(f"error: {path} is not a sentencepiece model") from None
+        return Tokenizer(data)
+    except (RuntimeError, ValueError):  # sentencepiece's "... ParseFromArray"; read_ranks'
+        raise SystemExit(f"error: {path} is not a sentencepiece model or a tiktoken ranks file of "
+                         f"a byte-level BPE") from None
+
+def read_ranks(data):
+    """{piece: rank} of a tiktoken ranks file's lines "base64(piece) rank", as tiktoken reads them.
+    The ranks are the ids, 0, 1, ...; every byte is a piece, or some text could not be encoded."""
+    lines = (line.split(b" ") for line in data.splitlines() if line)
+    ranks = {base64.b64decode(piece, validate=True): int(rank) for piece, rank in lines}
+    bytes_missing = any(bytes([b]) not in ranks for b in range(256))
+    if bytes_missing or sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError("not the ranks of a byte-level BPE")
+    return ranks
+
+def gpt2_ranks():
+    """GPT-2's BPE as a tiktoken ranks file: tiktoken downloads it on first use, then caches it"""
+    try:
+        gpt2 = tiktoken.get_encoding("gpt2")
+    except Exception as e:  # offline
+        raise SystemExit(f"error: tiktoken can't get GPT-2's tokenizer ({type(e).__name__}): "
+                         f"connect once, or pass its ranks as --tokenizer=<file>.tiktoken"
+                         ) from None
+    pieces = sorted(gpt2.token_byte_values(), key=gpt2.encode_single_token)  # in rank order
+    return b"".join(b"%s %d\n" % (base64.b64encode(p), gpt2.encode_single_token(p)) for p in pieces)
 
 def t5_spiece():
     """T5 v1.1's sentencepiece model (flan-t5 and nanoT5 share it), from the Hub or its cache"""

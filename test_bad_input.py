@@ -128,7 +128,7 @@ CASES = [
      "corpus.jsonl holds no run or weights", "undo"),
     ("prepare csv", [*PREPARE, "--out_dir={tmp}/data", "--dataset={bad}/data.csv"], "data.csv is not a .txt/", "undo"),
     ("prepare tokenizer not a file", [*PREPARE, "--out_dir={tmp}/data", "--tokenizer={tmp}/t5.model"],
-     "is not t5, train or a .model file", "undo"),
+     "is not t5, gpt2, train or a .model or .tiktoken file", "undo"),
     ("prepare tokenizer not sentencepiece's", [*PREPARE, "--out_dir={tmp}/data", "--tokenizer={corpus}"],
      "corpus.jsonl is not a sentencepiece model", "undo"),
     ("prepare vocab_size below the corpus's characters", [*PREPARE, "--out_dir={tmp}/data", "--vocab_size=3"],

@@ -1,8 +1,10 @@
 """Tests for prepare.py: prepare (end to end, resume, bad input) and reading a prepared folder back. CPU only, no
-network: the data is a synthetic C4-style JSONL file and a sentencepiece model trained on it."""
+network: the data is a synthetic C4-style JSONL file and a sentencepiece model (or a byte-level BPE) trained on it."""
+import base64
 import functools
 import glob
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -286,3 +288,92 @@ def test_a_val_set_shorter_than_a_window_is_reported(corpus, tmp_path, capsys):
     assert "warning: val.bin holds 100 tokens, fewer than one window" in capsys.readouterr().out
 
 
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# a byte-level BPE's tiktoken ranks file (--tokenizer=<file>.tiktoken; GPT-2's for --tokenizer=gpt2)
+
+
+def write_bpe_ranks(path, texts, vocab_size=400):
+    """A byte-level BPE learned on texts by the tokenizers package, as a tiktoken ranks file (lines "base64(piece)
+    rank"): its ids are the ranks, the 256 bytes first, then its merges in order."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}  # ByteLevel shows each byte as a character
+    pieces = sorted(bpe.get_vocab().items(), key=lambda item: item[1])
+    with open(path, "wb") as f:
+        f.writelines(base64.b64encode(bytes(byte_of[c] for c in piece)) + b" %d\n" % i for piece, i in pieces)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bpe_file(corpus, tmp_path_factory):
+    return write_bpe_ranks(tmp_path_factory.mktemp("bpe") / "bpe.tiktoken", P.documents(corpus, "train"))
+
+
+def reference_encoding(ranks, **special_tokens):
+    """tiktoken's own encoding of ranks, split as GPT-2's"""
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+    return tiktoken.Encoding("reference", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special_tokens)
+
+
+def test_a_tiktoken_ranks_file_prepares_to_its_encodings_ids(corpus, bpe_file, tmp_path):
+    """--tokenizer=<file>.tiktoken: each train document in the shards is tiktoken's encoding of it (the ranks read by
+    tiktoken) then EOS; after the ranks come EOS (also pad) and the 100 sentinels, <extra_id_0> last"""
+    from tiktoken.load import load_tiktoken_bpe
+    meta = P.prepare(corpus, **prepare_args(tmp_path, tokenizer=bpe_file))
+    ranks = load_tiktoken_bpe(bpe_file)
+    n, reference = len(ranks), reference_encoding(ranks)
+    with open(bpe_file, "rb") as f:
+        assert (tmp_path / "tokenizer.tiktoken").read_bytes() == f.read() and meta["tokenizer_file"] == "tokenizer.tiktoken"
+    assert meta["tokenizer_sha256"] == hashlib.sha256((tmp_path / "tokenizer.tiktoken").read_bytes()).hexdigest()
+    assert {key: meta[key] for key in ("vocab_size", "model_vocab_size", "eos_id", "pad_id", "first_sentinel_id")} == \
+        dict(vocab_size=n + 101, model_vocab_size=512, eos_id=n, pad_id=n, first_sentinel_id=n + 100)
+    shards = np.concatenate([np.fromfile(tmp_path / name, dtype=np.uint16) for name in meta["train_shards"]])
+    expected = [i for doc in P.documents(corpus, "train", val_fraction=0.05) for i in reference.encode(doc) + [n]]
+    assert shards.tolist() == expected and len(meta["train_shards"]) >= 2
+    tok = P.load_tokenizer(meta)
+    text = "Naïve café: 日本 <|endoftext|> stays text\n\n  twice."
+    assert tok.encode(text) == reference.encode_ordinary(text) and tok.decode(tok.encode(text)) == text
+    ids = tok.encode("The model") + [tok.first_sentinel_id - 1] + tok.encode(" reads.") + [tok.eos_id]
+    assert tok.decode(ids) == "The model<extra_id_1> reads." and tok.decode(ids, skip_special_tokens=True) == \
+        "The model reads."
+
+
+def test_gpt2_is_tiktokens_encoding_written_as_a_ranks_file(monkeypatch):
+    """--tokenizer=gpt2 writes tiktoken.get_encoding("gpt2")'s ranks (here an encoding of GPT-2's shape, 50,256 ranks
+    and <|endoftext|> after them: the real one needs the network) as a ranks file, which encodes as it does"""
+    import tiktoken
+    pairs = (bytes([a, b]) for a in range(32, 256) for b in range(256))
+    ranks = {bytes([b]): b for b in range(256)} | {pair: 256 + i for i, pair in zip(range(50_000), pairs)}
+    gpt2 = reference_encoding(ranks, **{"<|endoftext|>": 50256})
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: {"gpt2": gpt2}[name])
+    tok = P.Tokenizer(P.gpt2_ranks())
+    assert P.read_ranks(tok.data) == ranks and tok.eos_id == tok.pad_id == gpt2.eot_token == 50256
+    assert (tok.vocab_size, tok.first_sentinel_id, tok.model_vocab_size) == (50357, 50356, 50432)  # in uint16
+    text = "GPT-2's ranks, then <|endoftext|>: ids to 50,356."
+    assert tok.encode(text) == gpt2.encode_ordinary(text)
+    assert tok.encode_documents([text])[0].tolist() == gpt2.encode_ordinary(text) + [50256]
+
+
+def test_gpt2_offline_and_a_bad_ranks_file_are_one_line(corpus, bpe_file, tmp_path):
+    from test_train import run
+    # offline (a proxy no one answers), with an empty cache: tiktoken can't download GPT-2's files
+    r = run(["prepare.py", f"--dataset={corpus}", "--tokenizer=gpt2", f"--out_dir={tmp_path / 'gpt2'}"],
+            dict(TIKTOKEN_CACHE_DIR=str(tmp_path / "cache"), https_proxy="http://127.0.0.1:9", no_proxy="",
+                 HTTPS_PROXY="http://127.0.0.1:9", NO_PROXY=""))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert re.fullmatch(r"error: tiktoken can't get GPT-2's tokenizer \(\w+\): connect once, or pass its ranks as "
+                        r"--tokenizer=<file>\.tiktoken\n", r.stderr), r.stderr
+    with open(bpe_file, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    for name, bad in (("cut", lines[200:]), ("garbled", lines + [b"bm90IGEgcmFuaw== 400x\n"]),
+                      ("twice", lines + [lines[-1].split()[0] + b" %d\n" % len(lines)])):  # rank 399 lost
+        (tmp_path / f"{name}.tiktoken").write_bytes(b"".join(bad))
+        with pytest.raises(SystemExit, match="is not a sentencepiece model or a tiktoken ranks file of a byte-level BPE"):
+            P.prepare(corpus, **prepare_args(tmp_path / name, tokenizer=str(tmp_path / f"{name}.tiktoken")))

@@ -1,5 +1,6 @@
 """sample.py run as a user runs it, on a short train.py run: a text with sentinels filled in by generate(), held-out
-windows next to the truth, Hugging Face weights with the tokenizer beside them, and bad input as one line."""
+windows next to the truth, Hugging Face weights with the tokenizer beside them, a byte-level BPE's run exported for
+transformers' AutoTokenizer, and bad input as one line."""
 import os
 import shutil
 
@@ -8,8 +9,9 @@ import torch
 
 import data as D
 import prepare as P
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_pretrained, tokenizer_of
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, read_hf, save_pretrained, tokenizer_of
 from sample import check_text, encode, fill_in
+from test_prepare import write_bpe_ranks, write_c4_jsonl
 from test_train import TINY, data_dir, run  # noqa: F401 (data_dir is a fixture)
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
@@ -82,6 +84,52 @@ def test_export_is_a_self_contained_hugging_face_folder(trained, tmp_path):
                                    rtol=0, atol=1e-4)
     ours = run(["sample.py", f"--init_from={trained}", f"--text={TEXT}", "--device=cpu"])
     theirs = run(["sample.py", f"--init_from={folder}", f"--text={TEXT}", "--device=cpu"])
+    assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout, theirs.stderr
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory):
+    """2 steps of train.py on data prepared with a byte-level BPE's tiktoken ranks file (as --tokenizer=gpt2 writes
+    GPT-2's)"""
+    root = tmp_path_factory.mktemp("bpe")
+    corpus = str(write_c4_jsonl(root / "corpus.jsonl"))
+    ranks = write_bpe_ranks(root / "bpe.tiktoken", P.documents(corpus, "train"))
+    P.prepare(corpus, tokenizer=ranks, out_dir=str(root / "data"), val_fraction=0.05)
+    out = str(root / "run")
+    r = run(["train.py", *TINY, f"--data_dir={root / 'data'}", f"--out_dir={out}", "--max_steps=2",
+             "--eval_interval=1000", "--checkpoint_interval=1000"])
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_a_bpe_run_exports_a_tokenizer_transformers_reads_as_ours(bpe_run, tmp_path):
+    """A run on a BPE's data is a T5 of its ids (EOS = pad = decoder start, after the ranks); export.py writes its
+    ranks and transformers' tokenizer.json: AutoTokenizer encodes and decodes a text with sentinels as we do,
+    T5ForConditionalGeneration generates our tokens, and sample.py reads the export as the run"""
+    import transformers
+    folder = str(tmp_path / "hf")
+    r = run(["export.py", f"--init_from={bpe_run}", f"--out_dir={folder}"])
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer.tiktoken",
+                                          "tokenizer_config.json"]
+    t5, tok = model_and_tokenizer(bpe_run)
+    c = t5.config
+    assert tok.tiktoken and c.eos_token_id == c.pad_token_id == c.decoder_start_token_id == tok.eos_id == 400
+    config, _, tokenizer = read_hf(folder)
+    assert tokenizer == tok.data and (config.eos_token_id, config.pad_token_id, config.decoder_start_token_id) == \
+        (c.eos_token_id, c.pad_token_id, c.decoder_start_token_id)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    text = "The river <extra_id_0> the  city\n\n<extra_id_1> north, naïve café 日本 <extra_id_99>."
+    ids = encode(tok, text)
+    assert hf_tok(text).input_ids == ids and tok.first_sentinel_id - 99 in ids and ids[-1] == tok.eos_id
+    assert hf_tok.decode(ids[:-1]) == tok.decode(ids[:-1]) == text
+    assert hf_tok.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(folder).eval()
+    ours = t5.generate(torch.tensor([ids]), max_new_tokens=8)
+    theirs = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, num_beams=1)
+    assert torch.equal(ours, theirs[:, 1:]) and theirs[0, 0] == tok.pad_id  # theirs start with the decoder start
+    ours = run(["sample.py", f"--init_from={bpe_run}", f"--text={text}", "--device=cpu", "--max_new_tokens=8"])
+    theirs = run(["sample.py", f"--init_from={folder}", f"--text={text}", "--device=cpu", "--max_new_tokens=8"])
     assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout, theirs.stderr
 
 

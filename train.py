@@ -111,8 +111,10 @@ ckpt = checkpoint.start_from(init_from, out_dir, "train.py", config, meta,
 
 # the model: T5(config) on the meta device, its shapes with no memory yet; placed on the device
 # (sharded, compiled, in DDP), it gets its weights: read from the checkpoint, or drawn fresh
+ids = dict(eos_token_id=meta["eos_id"], pad_token_id=meta["pad_id"],
+           decoder_start_token_id=meta["pad_id"])  # the data's; T5's decoder starts with pad
 t5_config = (T5Config(**ckpt["model_config"]) if ckpt else
-             T5Config.from_preset(model, vocab_size=meta["model_vocab_size"]))
+             T5Config.from_preset(model, vocab_size=meta["model_vocab_size"], **ids))
 with torch.device("meta"):
     t5 = T5(dataclasses.replace(t5_config, dropout=dropout))  # dropout ours: HF's configs say 0.1
 # what the loop calls: the T5 itself (sharded in place), or its compiled or DDP wrapper
@@ -143,7 +145,7 @@ demo_tokens = max(tok.shown_length(labels) for labels in demo_labels.tolist())  
 logger = runtime.Logger(out_dir, rt.master, step if init_from == "resume" else None)
 if wandb_log:
     wandb_id = logger.start_wandb(wandb_project, wandb_run_name, config, wandb_id)
-run = dict(program="train.py", config=config, meta=meta, tokenizer=tok.spiece,  # for checkpoints
+run = dict(program="train.py", config=config, meta=meta, tokenizer=tok.data,  # for checkpoints
            wandb_id=wandb_id)
 peak = rt.peak_flops(peak_flops)
 
