@@ -128,6 +128,9 @@ def write_tokenizer(tokenizer, vocab_size, out_dir, docs):
     if tok.vocab_size > 1 << 16:
         raise SystemExit(f"error: the tokenizer's {tok.vocab_size} ids don't fit uint16: use at "
                          f"most {MAX_VOCAB_SIZE}")
+    if tok.pad_id < 0 or tok.eos_id < 0:  # a model is built with the data's ids
+        raise SystemExit(f"error: tokenizer '{tokenizer}' has no pad or no EOS id, which T5 needs: "
+                         f"train it with pad_id=0 and eos_id=1, as --tokenizer=train does")
     name = "tokenizer.tiktoken" if tok.tiktoken else "tokenizer.model"
     with atomic_write(os.path.join(out_dir, name)) as f:
         f.write(tok.data)

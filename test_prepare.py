@@ -237,6 +237,19 @@ def test_every_reader_of_a_folder_refuses_a_tokenizer_it_does_not_record(data_di
         batches(replaced)
 
 
+def test_a_tokenizer_without_a_pad_id_is_refused_before_it_is_copied(corpus, tmp_path):
+    # sentencepiece's defaults have no pad id (-1): a model built with the data's ids would pad and start decoding
+    # with id -1
+    import sentencepiece as spm
+    texts = [json.loads(line)["text"] for line in open(corpus)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(tmp_path / "defaults"),
+                                   vocab_size=PIECES, minloglevel=2)
+    with pytest.raises(SystemExit, match="defaults.model' has no pad or no EOS id, which T5 needs: train it with "
+                                         "pad_id=0 and eos_id=1"):
+        P.prepare(corpus, **prepare_args(tmp_path / "out", tokenizer=str(tmp_path / "defaults.model")))
+    assert not (tmp_path / "out" / "tokenizer.model").exists()
+
+
 def test_an_unreadable_tokenizer_is_refused_before_it_is_copied(corpus, tmp_path):
     (tmp_path / "bad.model").write_bytes(b"this is not a sentencepiece model")
     with pytest.raises(SystemExit, match="bad.model is not a sentencepiece model"):
