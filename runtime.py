@@ -112,9 +112,7 @@ class Runtime:
 
     def autocast(self):
         # bf16 has fp32's range: T5, which overflows fp16, needs no loss scaling
-        if self.dtype == "bfloat16":
-            return torch.autocast(self.device_type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return torch.autocast(self.device_type, torch.bfloat16, enabled=self.dtype == "bfloat16")
 
     def peak_flops(self, given=0.0):
         """given if > 0, else the GPU's dense peak (PEAK_FLOPS); None on CPU, MPS, an unknown GPU"""
@@ -190,10 +188,9 @@ def shard_model(model, rt, shard_across_nodes=False):
         mesh = init_device_mesh(rt.device_type, (rt.world_size,))
     rt.groups += mesh.get_all_groups()
     set_timeout(rt, START_TIMEOUT)  # a new group has the backend's default
-    policy = MixedPrecisionPolicy()
-    if rt.dtype == "bfloat16":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                      cast_forward_inputs=False)
+    param_dtype = torch.bfloat16 if rt.dtype == "bfloat16" else None  # None: fp32, as stored
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
     for name, module in model.named_modules():
         if name.endswith("relative_attention_bias"):
             fully_shard(module, mesh=mesh)
