@@ -12,7 +12,6 @@ import warnings
 import zipfile
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -20,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from model import PRESETS, T5, T5Config
 from prepare import (BPE_PATTERN, NUM_SENTINELS, T5_SPIECE_SHA256, TIKTOKEN_LINE, Tokenizer,
                      read_ranks, read_tokenizer, t5_spiece)
-from runtime import atomic_write, print0, rank, set_values
+from runtime import all_gathered, atomic_write, print0, rank, set_values
 
 # one process saves and loads without a process group, as it means to: no warning each time
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
@@ -52,10 +51,7 @@ def save_checkpoint(out_dir, t5, optimizer, step, elapsed, run):
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():  # this rank's GPU's only: a resume may see another number of GPUs
         rng["cuda"] = torch.cuda.get_rng_state()
-    rngs = [rng]  # every rank's
-    if dist.is_initialized():
-        rngs = [None] * dist.get_world_size()
-        dist.all_gather_object(rngs, rng)
+    rngs = all_gathered(rng)
     folder = os.path.join(out_dir, "ckpt", f"step-{step}")
     if rank() == 0:
         os.makedirs(folder, exist_ok=True)
@@ -123,10 +119,7 @@ def newest_checkpoint(out_dir):
     """out_dir's newest checkpoint, or None, the same on every rank: each rank's finding, in one
     all-gather, for a node that sees another folder would load another state, or wait for the rest"""
     path = find_checkpoint(out_dir)
-    found = [path]
-    if dist.is_initialized():
-        found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, path)
+    found = all_gathered(path)
     if len(set(found)) > 1:
         raise SystemExit(f"error: the ranks found different checkpoints in {out_dir} "
                          f"({', '.join(sorted(map(str, set(found))))}): out_dir must be a folder "

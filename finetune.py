@@ -277,10 +277,7 @@ if __name__ == "__main__":
                                            max_new_tokens, rt.device, rt.autocast, rt.rank,
                                            rt.world_size)
         model.train()
-        if rt.ddp:
-            shards = [None] * rt.world_size
-            torch.distributed.all_gather_object(shards, predictions)
-            predictions = [p for shard in shards for p in shard]
+        predictions = [p for shard in runtime.all_gathered(predictions) for p in shard]
         if not rt.master:
             return
         texts = dict(predictions)

@@ -338,6 +338,13 @@ def set_timeout(rt, timeout):  # on every process group
     for group in rt.groups:
         group.set_timeout(timeout)
 
+def all_gathered(value):  # every rank's value (any picklable object), in rank order
+    values = [value]
+    if torch.distributed.is_initialized():
+        values = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(values, value)
+    return values
+
 def agree(rt, *values):
     """The sums over the ranks of values (numbers, or 0-d tensors on the device), as floats, in one
     all-reduce: the host's one wait for the device. From then on, collectives wait TRAIN_TIMEOUT."""
