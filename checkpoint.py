@@ -79,10 +79,10 @@ def find_checkpoint(path):
     complete step folder (or ckpt/ itself, as runs before step folders wrote it); a step folder; a
     file (an older run's ckpt.pt, whose weights a new run can start from)."""
     for folder in (os.path.join(path, "ckpt"), path):
-        complete = [step for step in step_folders(folder)
-                    if os.path.isfile(os.path.join(step, ".metadata"))]
-        if complete or os.path.isfile(os.path.join(folder, ".metadata")):
-            return complete[-1] if complete else folder
+        complete = [candidate for candidate in [folder, *step_folders(folder)]
+                    if os.path.isfile(os.path.join(candidate, ".metadata"))]
+        if complete:
+            return complete[-1]
     for file in (os.path.join(path, "ckpt.pt"), path):
         if os.path.isfile(file):
             return file
@@ -133,16 +133,15 @@ def load_resume(out_dir, program, config, meta, fixed):
     path = newest_checkpoint(out_dir)
     if path is None:
         raise SystemExit(f"error: no checkpoint to resume in {out_dir}: train one first")
+    fix = f"start from its weights with --init_from={path} in another --out_dir"
     if os.path.isfile(path):
         raise SystemExit(f"error: {path} is an older run's checkpoint file, which a resume does "
-                         f"not continue: start from its weights with --init_from={path} in another "
-                         f"--out_dir")
+                         f"not continue: {fix}")
     ckpt = load_checkpoint(path, weights=False)
     if ckpt.get("program") != program:
         writer = ckpt.get("program") or "another program"
         raise SystemExit(f"error: {path} was written by {writer}, and {program} resumes only its "
-                         f"own runs: start from its weights with --init_from={path} in another "
-                         f"--out_dir")
+                         f"own runs: {fix}")
 
     def settings(config, meta):  # the keys, and the data's settings as data.key
         data = (meta or {}).get("settings") or {}
@@ -256,8 +255,7 @@ def load(init_from, fsdp=False, preset=None):
 
 def load_weights(model, ckpt):
     """model, placed, with a checkpoint's weights: from its shards each rank reads its own slices
-    (under DDP, all); from a whole state dict, its tensors mapped from their files, each rank copies
-    out its own, tensor by tensor (runtime.set_values), and so reads only those"""
+    (under DDP, all); from a whole state dict, mapped (load), its own, tensor by tensor"""
     if "model" in ckpt:
         for name, p in model.state_dict().items():
             set_values(p, ckpt["model"][name])
