@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from prepare import NUM_SENTINELS, load_meta, prepare_command
+from prepare import NUM_SENTINELS, load_meta, prepare_command, shard_name
 
 # span corruption, as T5 does it (t5.data.preprocessors: random_spans_noise_mask and co.)
 
@@ -126,9 +126,8 @@ class SpanCorruptionBatches:
         self.seed = seed
         self.raw_length, self.targets_length = compute_input_and_target_lengths(
             input_length, noise_density, mean_noise_span_length)
-        names = self.meta["train_shards"] if split == "train" else ["val.bin"]
-        self.paths = [os.path.join(data_dir, name) for name in names]
         files = self.meta["shards"] if split == "train" else self.meta["val"]
+        self.paths = [os.path.join(data_dir, shard_name(split, i)) for i in range(len(files))]
         for path, tokens in zip(self.paths, [file["tokens"] for file in files]):
             if not os.path.isfile(path) or os.path.getsize(path) != 2 * tokens:  # lost, or cut
                 raise SystemExit(f"error: {path} is not the {tokens:,} tokens meta.json says (lost "

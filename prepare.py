@@ -97,10 +97,9 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
         save()
     tok = load_tokenizer(dict(meta, data_dir=out_dir))
     write_shards(docs("val"), tok, num_proc, meta["val"], max_val_tokens, max_val_tokens, save,
-                 lambda i: os.path.join(out_dir, "val.bin"), "val")
+                 out_dir, "val")
     write_shards(docs("train"), tok, num_proc, meta["shards"], shard_tokens,
-                 max_train_tokens or math.inf, save, lambda i: os.path.join(out_dir, shard_name(i)),
-                 "train")
+                 max_train_tokens or math.inf, save, out_dir, "train")
     meta["complete"] = True
     save()
     meta = load_meta(out_dir)
@@ -136,11 +135,11 @@ def write_tokenizer(tokenizer, vocab_size, out_dir, docs):
         f.write(tok.data)
     return {"tokenizer_file": name, **tok.identity()}
 
-def shard_name(i):
-    return f"train_{i:03d}.bin"
+def shard_name(split, i):  # train_000.bin, train_001.bin, ...; val.bin, one file
+    return f"train_{i:03d}.bin" if split == "train" else "val.bin"
 
-def write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens, save, path, desc):
-    """Tokenise docs into files path(i) of shard_tokens ids; shards: those done, where next begins"""
+def write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens, save, out_dir, split):
+    """Tokenise docs into split's files of shard_tokens ids; shards: those done, where next begins"""
     doc, offset = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     done = sum(s["tokens"] for s in shards)
     if done >= max_tokens or (shards and shards[-1]["tokens"] < shard_tokens):
@@ -148,13 +147,13 @@ def write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens, save,
     pieces, filled = [], 0  # of the file being filled
 
     def write(next_doc, next_offset):
-        with atomic_write(path(len(shards))) as f:
+        with atomic_write(os.path.join(out_dir, shard_name(split, len(shards)))) as f:
             f.writelines(piece.tobytes() for piece in pieces)
         shards.append({"tokens": filled, "next_doc": next_doc, "next_offset": next_offset})
         save()
     chunks = encoded_chunks(itertools.islice(docs, doc, None), tok, num_threads)
     total = max_tokens if max_tokens < math.inf else None
-    bar = tqdm(desc=desc, total=total, initial=done, unit="tok", unit_scale=True)
+    bar = tqdm(desc=split, total=total, initial=done, unit="tok", unit_scale=True)
     with closing(chunks), bar:
         for ids, lengths in chunks:
             ends = np.cumsum(lengths)
@@ -211,8 +210,7 @@ def open_dataset(dataset):
     """dataset's splits, streamed by datasets: a local file through the loader of its extension
     (a .txt by paragraphs), or a Hub dataset (c4: allenai/c4's English)"""
     import datasets
-    loader = next((loader for extension, loader in LOADERS.items()
-                   if dataset.lower().removesuffix(".gz").endswith(extension)), None)
+    loader = LOADERS.get(os.path.splitext(dataset.lower().removesuffix(".gz"))[1])
     if loader and not os.path.isfile(dataset):
         raise SystemExit(f"error: input file {dataset} not found")
     if not loader and os.path.exists(dataset):
@@ -429,7 +427,7 @@ def load_meta(data_dir):
         raise SystemExit(f"error: {data_dir} is not completely prepared: finish it with "
                          f"`{prepare_command(meta['settings'], data_dir)}`")
     meta.update(data_dir=os.path.abspath(data_dir), source=meta["settings"]["dataset"],
-                train_shards=list(map(shard_name, range(len(meta["shards"])))))
+                train_shards=[shard_name("train", i) for i in range(len(meta["shards"]))])
     meta.setdefault("tokenizer_sha256", load_tokenizer(meta).sha256)  # checked against meta.json
     for split, files in (("train", meta["shards"]), ("val", meta["val"])):
         meta[f"{split}_tokens"] = sum(file["tokens"] for file in files)
