@@ -148,9 +148,7 @@ def rougeL_scorer():  # built once for all predictions; imported here, as its im
 
 def rouge_l(prediction, references):
     """Tk-Instruct's Rouge-L: rouge-score's F-measure, Porter stemmer, the best reference, x 100"""
-    scores = [rougeL_scorer().score(target=ref, prediction=prediction)["rougeL"]
-              for ref in references]
-    return 100.0 * max(score.fmeasure for score in scores)
+    return 100.0 * rougeL_scorer().score_multi(references, prediction)["rougeL"].fmeasure
 
 def exact_match(prediction, references):
     """Tk-Instruct's: SQuAD's normalization, lowercase, no punctuation, one space (articles stay)"""
