@@ -125,7 +125,6 @@ else:
     runtime.draw_weights(t5)  # as one process on that device draws them, on any number of ranks
 print0(f"{t5.num_params() / 1e6:.1f}M parameters")
 opt = make_optimizer(optimizer, param_groups(t5, weight_decay), lr, compile)
-# resuming: the optimizer state and the RNG; the steps done, and the training seconds (a budget's)
 step, elapsed = checkpoint.restore_state(ckpt, t5, opt) if init_from == "resume" else (0, 0.0)
 wandb_id = ckpt.get("wandb_id") if init_from == "resume" else None  # its wandb run goes on
 ckpt = None  # free the checkpoint's copy of the weights
@@ -135,7 +134,6 @@ if step >= max_steps:  # a resume with nothing left to train
 train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank, rt.world_size, rt.device)
 tokens_per_step = batch_size * (input_length + train_data.targets_length)
 step_flops = runtime.flops_per_step(t5, batch_size, input_length, train_data.targets_length)
-# the span accuracy of a model that ignores its input
 common_fill, span_baseline = unigram_baseline(train_data, val_data, eval_steps)
 print0(f"span accuracy baseline {span_baseline:.4f}: always writing the commonest fill, "
        f"{tok.decode(common_fill)!r}")
