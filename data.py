@@ -46,8 +46,7 @@ def random_segmentation(num_items, num_segments, keys):
 
 def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rngs):
     """T5's: which tokens of each window are noise (True), in num_spans spans of random lengths;
-    a window starts with kept tokens and ends with noise. A row's keys come from its own generator
-    (rngs, one per row), so that a row is the same alone as in a batch."""
+    a window starts with kept tokens and ends with noise. Row i's keys come from rngs[i]."""
     num_noise, num_spans = noise_counts(length, noise_density, mean_noise_span_length)
     num_kept = length - num_noise
     keys = np.stack([rng.random(length - 2 if num_spans > 1 else 0) for rng in rngs])
