@@ -139,7 +139,7 @@ def shard_name(split, i):  # train_000.bin, train_001.bin, ...; val.bin, one fil
     return f"train_{i:03d}.bin" if split == "train" else "val.bin"
 
 def write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens, save, out_dir, split):
-    """Tokenise docs into split's files of shard_tokens ids; shards: those done, where next begins"""
+    """Tokenise docs into split's files of shard_tokens; shards: those done, where next begins"""
     doc, offset = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     done = sum(s["tokens"] for s in shards)
     if done >= max_tokens or (shards and shards[-1]["tokens"] < shard_tokens):
