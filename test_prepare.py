@@ -343,7 +343,8 @@ def test_a_tiktoken_ranks_file_prepares_to_its_encodings_ids(corpus, bpe_file, t
     ranks = load_tiktoken_bpe(bpe_file)
     n, reference = len(ranks), reference_encoding(ranks)
     with open(bpe_file, "rb") as f:
-        assert (tmp_path / "tokenizer.tiktoken").read_bytes() == f.read() and meta["tokenizer_file"] == "tokenizer.tiktoken"
+        assert (tmp_path / "tokenizer.tiktoken").read_bytes() == f.read()
+        assert meta["tokenizer_file"] == "tokenizer.tiktoken"
     assert meta["tokenizer_sha256"] == hashlib.sha256((tmp_path / "tokenizer.tiktoken").read_bytes()).hexdigest()
     assert {key: meta[key] for key in ("vocab_size", "model_vocab_size", "eos_id", "pad_id", "first_sentinel_id")} == \
         dict(vocab_size=n + 101, model_vocab_size=512, eos_id=n, pad_id=n, first_sentinel_id=n + 100)
@@ -388,5 +389,6 @@ def test_gpt2_offline_and_a_bad_ranks_file_are_one_line(corpus, bpe_file, tmp_pa
     for name, bad in (("cut", lines[200:]), ("garbled", lines + [b"bm90IGEgcmFuaw== 400x\n"]),
                       ("twice", lines + [lines[-1].split()[0] + b" %d\n" % len(lines)])):  # rank 399 lost
         (tmp_path / f"{name}.tiktoken").write_bytes(b"".join(bad))
-        with pytest.raises(SystemExit, match="is not a sentencepiece model or a tiktoken ranks file of a byte-level BPE"):
+        with pytest.raises(SystemExit,
+                           match="is not a sentencepiece model or a tiktoken ranks file of a byte-level BPE"):
             P.prepare(corpus, **prepare_args(tmp_path / name, tokenizer=str(tmp_path / f"{name}.tiktoken")))
