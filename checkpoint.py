@@ -269,11 +269,6 @@ def model_from_checkpoint(ckpt, **overrides):
     """the T5 of a checkpoint (from load or load_checkpoint); overrides are T5Config fields"""
     return load_weights(T5(T5Config(**{**ckpt["model_config"], **overrides})), ckpt)
 
-def load_model(init_from, **overrides):
-    """(T5, its checkpoint) of what load() reads; overrides are T5Config fields"""
-    ckpt = load(init_from)
-    return model_from_checkpoint(ckpt, **overrides), ckpt
-
 # Hugging Face's format: transformers' T5ForConditionalGeneration, read and written
 
 # T5Config fields that Hugging Face's config.json names differently; all others have the same name

@@ -1,6 +1,6 @@
 """A T5 v1.1 encoder-decoder in one file, numerically Hugging Face's T5ForConditionalGeneration.
 After the T5 paper (arxiv.org/abs/1910.10683), t5x (v1.1's shapes, buckets and init), transformers'
-modeling_t5.py, and gpt-fast (the static KV cache, the compiled decode step)."""
+modeling_t5.py, and gpt-fast (the static KV cache)."""
 
 import dataclasses
 import math
@@ -313,18 +313,15 @@ class T5(nn.Module):
         return self.lm_head(x[:, -1] * self.config.output_scaling).float()
 
     @torch.no_grad()  # not inference_mode, under which autocast re-casts every weight at every step
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=128, temperature=0.0,
-                 top_k=None, compile=False, all_done=None):
-        """Up to max_new_tokens ids per row, no start token, pad after EOS: greedy at temperature 0,
-        else sampled from the top_k likeliest. The encoder and cross-attention's k, v run once;
-        compile=True compiles decode_step. all_done (FSDP's, where every rank must run each block as
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=128, all_done=None):
+        """Up to max_new_tokens ids per row, greedy, no start token, pad after EOS. The encoder and
+        cross-attention's k, v run once. all_done (FSDP's, where every rank must run each block as
         often): whether a 0-d bool tensor, here "my rows are finished", is true on every rank."""
         c = self.config
         B = input_ids.size(0)
         device = input_ids.device
         dtype = self.compute_dtype(device)
         out = torch.full((B, max_new_tokens), c.pad_token_id, dtype=torch.long, device=device)
-        step = torch.compile(self.decode_step, fullgraph=True) if compile else self.decode_step
         encoder_out = self.encoder(self.shared(input_ids), attention_mask, dtype)
         encoder_kv = self.decoder.encoder_kv(encoder_out)
         cross_mask = padding_mask(attention_mask, dtype)
@@ -333,16 +330,9 @@ class T5(nn.Module):
             block.self_attn.kv_cache = KVCache(cache_shape, dtype, device)
         token = torch.full((B, 1), c.decoder_start_token_id, dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
-        pos = torch.zeros(1, dtype=torch.long, device=device)  # a tensor: one graph for all steps
+        pos = torch.zeros(1, dtype=torch.long, device=device)  # where the cache writes this step's k, v
         for i in range(max_new_tokens):
-            logits = step(token, pos, encoder_kv, cross_mask)
-            if temperature == 0.0:
-                token = logits.argmax(-1, keepdim=True)
-            else:
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, -float('inf'))
-                token = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
+            token = self.decode_step(token, pos, encoder_kv, cross_mask).argmax(-1, keepdim=True)
             out[:, i] = token.masked_fill_(finished[:, None], c.pad_token_id)[:, 0]
             finished |= token[:, 0] == c.eos_token_id
             done = finished.all()

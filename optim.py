@@ -1,13 +1,12 @@
 """
-nanoT5's optimizers, AdamWScale and Adafactor (the paper's baseline), and the learning-rate
-schedules.
+nanoT5's optimizer, AdamWScale, and its learning-rate schedule.
 """
 import math
 
 import torch
 from torch.optim.adamw import adamw
 
-from runtime import local, rms, summed, zeros_like_mean  # FSDP's slices: this rank's, and whole
+from runtime import local, rms  # FSDP's slices: this rank's, and the whole tensor's RMS
 
 class AdamWScale(torch.optim.Optimizer):
     """
@@ -80,106 +79,18 @@ class AdamWScale(torch.optim.Optimizer):
         update = m / v.sqrt().add_(eps)  # (4) m / (sqrt(v) + eps)
         p.sub_(update.mul_(step_size))  # (4) p -= step_size * that
 
-class Adafactor(torch.optim.Optimizer):
-    """
-    Adafactor as nanoT5 compared it: HF's transformers.optimization.Adafactor with
-    relative_step=False, scale_parameter=True, warmup_init=False, beta1=None. No first moment; a
-    matrix's second moments are stored as their row and column means; the step is scaled by the
-    tensor's RMS and the update clipped to RMS 1. Per tensor p with gradient g at step t, with
-    b2 = 1 - t^decay_rate:
-        V = b2*V + (1-b2)*(g^2 + eps1)   # >= 2 dims: row, column means R, C; V ~ R C / mean(R)
-        u = g / sqrt(V)
-        u = u / max(1, RMS(u) / clip_threshold)
-        p -= lr * max(eps2, RMS(p)) * (u + weight_decay * p)      # RMS(p) before this update
-    (torch.optim.Adafactor differs: it caps the step at 1/sqrt(t), clamps V, scales decay by lr.)
-    Under FSDP each rank holds some rows of p (FSDP shards dim 0; T5's tensors have 1 or 2 dims)
-    and works on them: C, mean(R) and the two RMS sum over the ranks, each for all tensors in one
-    all-reduce.
-    """
-
-    def __init__(self, params, lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8,
-                 weight_decay=0.0):
-        lr = torch.tensor(lr, dtype=torch.float64)
-        super().__init__(params, dict(lr=lr, eps=eps, clip_threshold=clip_threshold,
-                                      decay_rate=decay_rate, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):  # torch.optim's signature: set_optimizer_state_dict passes None
-        for group in self.param_groups:
-            eps1, eps2 = group["eps"]
-            params = [p for p in group["params"] if p.grad is not None]
-            p_rms = rms(params)  # RMS(p) before this update
-            # V from g^2 + eps1. A matrix's row means need only this rank's rows; its column means
-            # and mean(R) need every row: this rank's sums, summed over the ranks, all at once
-            betas, sums = [], []
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float64)
-                    if p.dim() >= 2:  # factored: V's row and column means
-                        state["exp_avg_sq_row"] = zeros_like_mean(p, -1)  # (..., rows)
-                        state["exp_avg_sq_col"] = zeros_like_mean(p, -2)  # (..., cols)
-                    else:
-                        state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                betas.append(1 - state["step"] ** group["decay_rate"])
-                g = local(p.grad)
-                g2 = g * g + eps1
-                if p.dim() < 2:
-                    local(state["exp_avg_sq"]).lerp_(g2, 1 - betas[-1])  # V = b2*V + (1-b2)*g2
-                    continue
-                row = local(state["exp_avg_sq_row"])
-                row.lerp_(g2.mean(dim=-1), 1 - betas[-1])  # R = b2*R + (1-b2)*(g2's row means)
-                rows = p.shape[-2]
-                sums.append(g2.sum(dim=-2) / rows)  # g2's column means
-                sums.append(row.sum(dim=-1, keepdim=True) / rows)  # mean(R)
-            sums = iter(summed(sums, params))
-            updates = []
-            for p, beta2 in zip(params, betas):
-                state = self.state[p]
-                if p.dim() < 2:
-                    v = local(state["exp_avg_sq"])
-                else:
-                    col_means, row_mean = next(sums), next(sums)
-                    col = local(state["exp_avg_sq_col"])
-                    col.lerp_(col_means, 1 - beta2)  # C = b2*C + (1-b2)*(g2's column means)
-                    row = local(state["exp_avg_sq_row"])
-                    v = (row / row_mean).unsqueeze(-1) * col.unsqueeze(-2)  # V ~ R C / mean(R)
-                updates.append(local(p.grad).mul_(v.rsqrt()))  # u = g / sqrt(V), in g's memory
-            for p, update, u_rms, p_rms in zip(params, updates, rms(updates, of=params), p_rms):
-                update.div_((u_rms / group["clip_threshold"]).clamp(min=1.0))  # clipped
-                step_size = p_rms.clamp(min=eps2) * group["lr"]
-                if group["weight_decay"] != 0:
-                    local(p).mul_(1 - group["weight_decay"] * step_size)
-                local(p).sub_(update.mul_(step_size))
-
-def get_lr(step, max_steps, schedule, lr, warmup_steps, warmup_start_factor, min_lr):
+def get_lr(step, max_steps, lr, warmup_steps, warmup_start_factor, min_lr):
     """
     The learning rate of optimizer step number `step` of max_steps (1 is the first; under a time
-    budget, fractional: the share of the budget spent, in steps).
-    cosine: linear warmup from warmup_start_factor*lr to lr, then half a cosine down to min_lr.
-    inverse_sqrt: nanoT5's "legacy" T5 schedule, min(lr, 1/sqrt(step)), then linear from 90% of the
-        run down to 0 (with T5's lr of 1e-2, flat for 10,000 steps: its warmup).
-    constant: lr throughout.
+    budget, fractional: the share of the budget spent, in steps): nanoT5's cosine, a linear warmup
+    from warmup_start_factor*lr to lr, then half a cosine down to min_lr (min_lr = lr: constant).
     """
-    if schedule == "constant":
-        return lr
-    if schedule == "cosine":
-        if step < warmup_steps:
-            return lr * (warmup_start_factor + (1 - warmup_start_factor) * step / warmup_steps)
-        if step >= max_steps:
-            return min_lr
-        decayed = (step - warmup_steps) / (max_steps - warmup_steps)  # the share of the decay done
-        return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * decayed))
-    # inverse_sqrt
+    if step < warmup_steps:
+        return lr * (warmup_start_factor + (1 - warmup_start_factor) * step / warmup_steps)
     if step >= max_steps:
-        return 0.0
-    decay_start = 0.9 * max_steps
-    if step < decay_start:
-        return min(lr, 1 / math.sqrt(step)) if step > 0 else lr
-    return min(lr, 1 / math.sqrt(decay_start)) * (max_steps - step) / (max_steps - decay_start)
-
-LR_SCHEDULES = ("cosine", "inverse_sqrt", "constant")
+        return min_lr
+    decayed = (step - warmup_steps) / (max_steps - warmup_steps)  # the share of the decay done
+    return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * decayed))
 
 def param_groups(model, weight_decay, no_decay=("ln_",)):
     """Two param groups: weight decay, and none for names holding one of no_decay (the RMSNorm
@@ -191,13 +102,11 @@ def param_groups(model, weight_decay, no_decay=("ln_",)):
     return [{"params": decayed, "weight_decay": weight_decay},
             {"params": not_decayed, "weight_decay": 0.0}]
 
-OPTIMIZERS = ("adamwscale", "adafactor", "adamw")
+OPTIMIZERS = ("adamwscale", "adamw")
 
 def make_optimizer(name, groups, lr, compile=False):
     """One of OPTIMIZERS by name, each group's weight_decay from param_groups; lr a tensor, which
     train.py sets in place. compile: AdamWScale's `update` compiled, not torch's fused kernel."""
-    if name == "adafactor":
-        return Adafactor(groups, lr=lr)
     if name == "adamw":  # eps 1e-6 is HF AdamW's, which nanoT5 ran
         fused = next(p for g in groups for p in g["params"]).device.type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=torch.tensor(lr), eps=1e-6, fused=fused)

@@ -106,9 +106,6 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
     print(f"{out_dir}: {meta['train_tokens']:,} train tokens in {len(meta['shards'])} shards, "
           f"{meta['val_tokens']:,} val tokens, vocab {meta['vocab_size']} (model "
           f"{meta['model_vocab_size']})")
-    if meta["val_tokens"] < 568:
-        print(f"warning: val.bin holds {meta['val_tokens']} tokens, fewer than one window of "
-              f"input_length 512 (568 tokens): raise --val_fraction or use a larger corpus")
     return meta
 
 def write_tokenizer(tokenizer, vocab_size, out_dir, docs):

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
                                     register_fsdp_forward_method)
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
@@ -60,15 +60,8 @@ PEAK_FLOPS = {
     "NVIDIA A100 80GB PCIe": (19.5e12, 156e12, 312e12),
     "NVIDIA H100 80GB HBM3": (67e12, 494.5e12, 989.5e12),  # SXM
     "NVIDIA H100 PCIe": (51e12, 378e12, 756.5e12),
-    "NVIDIA H100 NVL": (60e12, 417.5e12, 835.5e12),
     "NVIDIA H200": (67e12, 494.5e12, 989.5e12),  # SXM
-    "NVIDIA H200 NVL": (60e12, 417.5e12, 835.5e12),
     "NVIDIA B200": (75e12, 1.1e15, 2.25e15),
-    "NVIDIA L4": (30.3e12, 60e12, 121e12),
-    "NVIDIA L40": (90.5e12, 90.5e12, 181e12),
-    "NVIDIA L40S": (91.6e12, 183e12, 362e12),
-    "NVIDIA GeForce RTX 3090": (35.6e12, 35.6e12, 71e12),
-    "NVIDIA GeForce RTX 4090": (82.6e12, 82.6e12, 165.2e12),
 }
 
 def flops_per_step(model, batch_size, input_length, target_length):
@@ -296,41 +289,23 @@ def print_memory(model, optimizer, rt):
     if rt.device_type == "cuda":
         print0(memory_report(rt.device))
 
-# what the optimizers need for FSDP's slices
+# what AdamWScale needs of FSDP's slices
 
 def local(t):
     """this rank's slice of a DTensor (an FSDP shard), a plain tensor sharing its memory; else t"""
     return t.to_local() if isinstance(t, DTensor) else t
 
-def rms(tensors, of=None):
+def rms(tensors):
     """each tensor's root mean square, as 0-d tensors; of FSDP's DTensors, the whole tensor's: the
-    squares of each rank's slices, summed over the ranks (summed). of: the tensors whose slices
-    `tensors` are, if not themselves (Adafactor's updates)"""
-    of = of or tensors
+    squares of each rank's slices, summed over the ranks that shard them (under HSDP, a node's), in
+    one all-reduce for all the tensors"""
     norms = [local(t).norm() for t in tensors]
-    if of and isinstance(of[0], DTensor):
-        norms = [square.sqrt() for square in summed([norm.square() for norm in norms], of)]
-    return [norm / math.sqrt(t.numel()) for norm, t in zip(norms, of)]
-
-def summed(values, of):
-    """values, each worked out from this rank's slices of the tensors `of`, summed over the ranks
-    that shard them (under HSDP, a node's), in one all-reduce for all; unchanged in one process"""
-    if not values or not isinstance(of[0], DTensor):
-        return values
-    flat = torch.cat([value.reshape(-1) for value in values])
-    mesh = of[0].device_mesh
-    torch.distributed.all_reduce(flat, group=mesh.get_group(mesh.ndim - 1))  # the last: shards
-    parts = flat.split([value.numel() for value in values])
-    return [part.view_as(value) for part, value in zip(parts, values)]
-
-def zeros_like_mean(t, dim):
-    """zeros shaped like t.mean(dim); of a DTensor, laid out as that mean summed over the ranks (row
-    means stay sliced, column means are whole on every rank)"""
-    mean = t.mean(dim=dim)
-    if isinstance(mean, DTensor):
-        placements = [Replicate() if p.is_partial() else p for p in mean.placements]
-        mean = mean.redistribute(placements=placements)
-    return torch.zeros_like(mean)
+    if tensors and isinstance(tensors[0], DTensor):
+        squares = torch.stack([norm.square() for norm in norms])
+        mesh = tensors[0].device_mesh
+        torch.distributed.all_reduce(squares, group=mesh.get_group(mesh.ndim - 1))  # the last: shards
+        norms = squares.sqrt().unbind()
+    return [norm / math.sqrt(t.numel()) for norm, t in zip(norms, tensors)]
 
 # where the ranks agree
 

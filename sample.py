@@ -1,7 +1,6 @@
 """
 Fills in the sentinels of a text with a trained T5: nanoGPT's sample.py, for span corruption.
     python sample.py --init_from=out/t5_tiny --text="The <extra_id_0> is a small <extra_id_1> ."
-    python sample.py --init_from=out/t5_tiny  # held-out windows of the run's data, and the truth
     python sample.py --init_from=google/t5-v1_1-base --text="Thank you <extra_id_0> me to a party."
 init_from: a run of train.py or finetune.py (its out_dir, ckpt/ or a step folder), read with the
 tokenizer its checkpoint carries, or Hugging Face weights (a Hub name, or a folder such as export.py
@@ -13,8 +12,7 @@ import re
 
 import torch
 
-from checkpoint import check_tokenizer, load_model, tokenizer_of
-from data import SpanCorruptionBatches
+from checkpoint import load, model_from_checkpoint, tokenizer_of
 from prepare import NUM_SENTINELS
 from runtime import check_config, print0, setup_runtime
 
@@ -23,7 +21,7 @@ SENTINEL = re.compile(r"<extra_id_(\d+)>")  # where the model fills in
 def check_text(text):
     """the gaps of --text: marked <extra_id_0> to <extra_id_99>, each once"""
     numbers = [int(number) for number in SENTINEL.findall(text)]
-    if text and not numbers:
+    if not numbers:
         raise SystemExit("error: --text has no sentinel to fill in: mark gaps with <extra_id_0>, "
                          "<extra_id_1>, ...")
     if numbers and max(numbers) >= NUM_SENTINELS:
@@ -34,13 +32,9 @@ def check_text(text):
 
 # -------------------------------------------------------------------------------------------------
 init_from = "out/t5_tiny"
-text = ""  # with gaps <extra_id_0>, <extra_id_1>, ...; '' -> held-out windows of the run
-num_samples = 3  # held-out windows to show when there is no text
+text = "The <extra_id_0> of a function is its <extra_id_1> ."  # each gap a sentinel, once
 max_new_tokens = 64  # 100 sentinels of mean span 3 need ~400; the cache is sized to it
-temperature = 0.0  # 0: greedy (as evaluations show); above 0: sampled from the top_k likeliest
-top_k = 0  # 0: all
 device = "auto"
-seed = 1337
 # -------------------------------------------------------------------------------------------------
 
 def encode(tok, text):
@@ -65,37 +59,14 @@ def fill_in(tok, text, fill):
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     check_text(text)
-    check_config(config, [("num_samples", num_samples > 0, "> 0"), ("top_k", top_k >= 0, ">= 0"),
-                          ("max_new_tokens", 0 < max_new_tokens <= 1024, "in [1, 1024]"),
-                          ("temperature", temperature >= 0, ">= 0")])
-    rt = setup_runtime(device, "float32", seed)
-    model, ckpt = load_model(init_from)
+    check_config(config, [("max_new_tokens", 0 < max_new_tokens <= 1024, "in [1, 1024]")])
+    rt = setup_runtime(device, "float32")
+    ckpt = load(init_from)
+    model = model_from_checkpoint(ckpt)
     model.to(rt.device).eval()
-    meta = ckpt["meta"]  # a run's data; None: Hugging Face weights
-    if not text and meta is None:
-        raise SystemExit(f"error: {init_from} brings no data of its own to fill in: pass "
-                         f"--text=\"...<extra_id_0>...\"")
     tok = tokenizer_of(ckpt, init_from)  # the one it was trained with, which its checkpoint carries
-    if text:
-        inputs, truths = torch.tensor([encode(tok, text)]), [None]
-    else:  # the first held-out windows of the run's data, noised as its evaluations are
-        run = ckpt["config"]
-        noise = (run.get("noise_density", 0.15), run.get("mean_noise_span_length", 3.0))
-        val = SpanCorruptionBatches(meta["data_dir"], "val", num_samples,
-                                    run.get("input_length", 128), *noise, seed)
-        check_tokenizer(ckpt, val.meta, init_from)  # the folder may have been prepared again
-        if num_samples > val.num_windows:
-            raise SystemExit(f"error: --num_samples={num_samples}, but {meta['data_dir']}/val.bin "
-                             f"holds {val.num_windows} windows for this run: ask for at most "
-                             f"{val.num_windows}")
-        inputs, truths = val.get(0)
-    for first in range(0, len(inputs), 16):  # 16 at a time: memory stays bounded, output comes
-        rows = slice(first, first + 16)
-        fills = model.generate(inputs[rows].to(rt.device), max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_k=top_k or None).tolist()
-        for ids, fill, truth in zip(inputs[rows].tolist(), fills, truths[rows]):
-            corrupted = tok.decode(ids)
-            print0(f"input: {corrupted}\nmodel: {fill_in(tok, corrupted, fill)}")
-            if truth is not None:
-                print0(f"truth: {fill_in(tok, corrupted, truth.tolist())}")
-            print0("-" * 80)
+    ids = encode(tok, text)
+    inputs = torch.tensor([ids], device=rt.device)
+    fill = model.generate(inputs, max_new_tokens=max_new_tokens)[0].tolist()
+    corrupted = tok.decode(ids)
+    print0(f"input: {corrupted}\nmodel: {fill_in(tok, corrupted, fill)}")

@@ -145,8 +145,8 @@ def test_resume_refuses_other_settings_and_reports_changes(tmp_path, capsys):
     assert capsys.readouterr().out == (f"resuming from {path} at step 7; changed on resume: lr 0.02 -> 0.01, "
                                        "max_steps 10 -> 20\n")
     with pytest.raises(SystemExit, match="other settings \\(model 't5-tiny' -> 't5-v1_1-small', optimizer "
-                                         "'adamwscale' -> 'adafactor', weight_decay 0.0 -> 0.1\\)"):
-        C.load_resume(str(tmp_path), "train.py", dict(changed, model="t5-v1_1-small", optimizer="adafactor",
+                                         "'adamwscale' -> 'adamw', weight_decay 0.0 -> 0.1\\)"):
+        C.load_resume(str(tmp_path), "train.py", dict(changed, model="t5-v1_1-small", optimizer="adamw",
                                                       weight_decay=0.1), meta, fixed)
     other_data = {"settings": {"tokenizer": "train", "vocab_size": 4000}}
     with pytest.raises(SystemExit, match="data.tokenizer 't5' -> 'train', data.vocab_size None -> 4000"):

@@ -294,18 +294,15 @@ def test_span_accuracy_counts_spans_right_to_their_end():
     assert D.span_fills(labels, 299) == [(5, 6), (7,), (7,), (9, 9)]
 
 
-def test_unigram_baseline_always_writes_the_commonest_training_fill():
+def test_unigram_baseline_always_writes_the_commonest_fill():
     class Batches:
         meta = {"first_sentinel_id": 299}
 
-        def __init__(self, labels):
-            self.labels = torch.tensor(labels)
-
-        def get(self, step):
-            return None, self.labels
-    train = Batches([[299, 5, 298, 5, 297, 6, 1]])  # fills (5,), (5,), (6,)
-    val = Batches([[299, 5, 298, 7, 7, 1], [299, 6, 298, 5, 5, 1]])  # fills (5,), (7, 7), (6,), (5, 5)
-    assert D.unigram_baseline(train, val, val_steps=1, train_spans=3) == ((5,), 0.25)
+        def get(self, step):  # step 0's fills: (5,), (7, 7), (5,), (6,), (5,), (5, 5)
+            return None, torch.tensor([[[299, 5, 298, 7, 7, 297, 5, 1], [299, 6, 298, 5, 297, 5, 5, 1]],
+                                       [[299, 6, 298, 6, 297, 9, 9, 1], [299, 6, 298, 9, 297, 9, 9, 1]]][step])
+    assert D.unigram_baseline(Batches(), val_steps=1) == ((5,), 0.5)  # 3 of 6: (5, 5) is another fill
+    assert D.unigram_baseline(Batches(), val_steps=2) == ((6,), 4 / 12)  # step 1 adds (6,) 3 times
 
 
 def test_window_of_works_its_docstring_example():

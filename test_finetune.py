@@ -8,14 +8,13 @@ import os
 import random
 import shutil
 import signal
-import string
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from finetune import (build_prompt, collate, compute_metrics, exact_match, generate_predictions, load_split, rouge_l,
+from finetune import (build_prompt, collate, compute_metrics, generate_predictions, load_split, rouge_l,
                       tokenize_example)
 from model import T5, T5Config
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_checkpoint, save_pretrained
@@ -176,20 +175,17 @@ def test_rouge_l_equals_rouge_score():
         expected = 100 * max(scorer.score(ref, prediction)["rougeL"].fmeasure for ref in references)
         assert rouge_l(prediction, references) == pytest.approx(expected)
     assert rouge_l("the cats are running", ["cat run"]) == pytest.approx(100 * 2 * 0.5 * 1 / 1.5)  # stemmer on
-    assert exact_match("The  Cat!", ["a dog", "the cat"]) == 100.0 and exact_match("a cat", ["the cat"]) == 0.0
 
 
-def test_metrics_average_examples_overall_and_per_task():
+def test_metrics_average_examples_overall():
     records = [dict(task="a", prediction="the cat sat", references=["the cat sat"]),
                dict(task="a", prediction="a dog", references=["the cat sat", "dog"]),
                dict(task="b", prediction="no", references=["yes"])]
     metrics = compute_metrics(records)
     dog = rouge_l("a dog", ["dog"])  # 2/3: precision 1/2, recall 1
     assert dog == pytest.approx(100 * 2 / 3)
-    assert metrics["per_task"]["a"] == dict(rougeL=pytest.approx((100 + dog) / 2), exact_match=50.0, num_examples=2)
-    assert metrics["per_task"]["b"] == dict(rougeL=0.0, exact_match=0.0, num_examples=1)
     # over all examples, as Tk-Instruct averages, not over the task means
-    assert metrics["rougeL"] == pytest.approx((100 + dog) / 3) and metrics["exact_match"] == pytest.approx(100 / 3)
+    assert metrics["rougeL"] == pytest.approx((100 + dog) / 3)
 
 
 def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
@@ -215,20 +211,14 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
     assert all(r["prompt"].startswith("Definition: Answer with the first word.\n\n Positive Example 1 -\n")
                and r["prompt"].endswith("\nOutput: ") for r in records)
 
-    # the metrics again, straight from predictions.jsonl with rouge-score and Tk-Instruct's normalisation
+    # the metrics again, straight from predictions.jsonl with rouge-score
     from rouge_score import rouge_scorer
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-
-    def normalize(text):
-        return " ".join("".join(c for c in text.lower() if c not in string.punctuation).split())
     rouge = [100 * max(scorer.score(ref, r["prediction"])["rougeL"].fmeasure for ref in r["references"])
              for r in records]
-    em = [100.0 * any(normalize(r["prediction"]) == normalize(ref) for ref in r["references"]) for r in records]
     with open(os.path.join(out, "metrics.json")) as f:
         metrics = json.load(f)
     assert metrics["rougeL"] == pytest.approx(sum(rouge) / 10)
-    assert metrics["exact_match"] == pytest.approx(sum(em) / 10)
-    assert metrics["per_task"]["task101_first_word"]["rougeL"] == pytest.approx(sum(rouge) / 10)
     assert metrics["num_examples"] == 10 and metrics["step"] == 5
 
     # the same weights in Hugging Face's layout, with the tokenizer as spiece.model beside them, evaluate the same

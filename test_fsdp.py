@@ -1,9 +1,9 @@
 """
-FSDP (train.py --fsdp=True) on 2 CPU ranks over gloo, run as a user runs it: the same losses as one process for
-both optimizers, with accumulation, activation checkpointing and torch.compile; half the state per rank, and never a
-whole model on a rank (peak memory of a 201M-parameter T5); each block gathered twice a step; generation through
-FSDP's hooks; exact kill-and-resume from sharded checkpoints, and a sharded checkpoint read back in one process and
-exported to Hugging Face's format.
+FSDP (train.py --fsdp=True) on 2 CPU ranks over gloo, run as a user runs it: the same losses as one process, with
+accumulation, activation checkpointing and torch.compile; half the state per rank, and never a whole model on a rank
+(peak memory of a 201M-parameter T5); each block gathered twice a step; generation through FSDP's hooks; exact
+kill-and-resume from sharded checkpoints, and a sharded checkpoint read back in one process and exported to Hugging
+Face's format.
 """
 import glob
 import json
@@ -49,33 +49,30 @@ def state_mib(stdout):
 
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory):  # noqa: F811
-    """one process (2 micro-steps) and 2 FSDP ranks (1 micro-step each) on the same global batches, per optimizer"""
+    """one process (2 micro-steps) and 2 FSDP ranks (1 micro-step each) on the same global batches"""
     root = tmp_path_factory.mktemp("fsdp")
     out = {}
-    for optimizer in ("adamwscale", "adafactor"):
-        for name, launch, extra in (("one", [], ["--grad_accum_steps=2"]), ("fsdp", TORCHRUN, ["--fsdp=True"])):
-            out_dir = str(root / f"{optimizer}-{name}")
-            r = run([*launch, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out_dir}",
-                     f"--optimizer={optimizer}", *extra])
-            assert r.returncode == 0, r.stderr
-            out[optimizer, name] = out_dir, r.stdout
+    for name, launch, extra in (("one", [], ["--grad_accum_steps=2"]), ("fsdp", TORCHRUN, ["--fsdp=True"])):
+        out_dir = str(root / name)
+        r = run([*launch, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *extra])
+        assert r.returncode == 0, r.stderr
+        out[name] = out_dir, r.stdout
     return out
 
 
-@pytest.mark.parametrize("optimizer", ["adamwscale", "adafactor"])
-def test_two_fsdp_ranks_match_one_process(runs, optimizer):
-    # AdamWScale's RMS(p) and Adafactor's column means and RMS clipping need the whole tensor, not a rank's slice:
-    # computed on the slices alone, the losses part from step 2 on
-    one, fsdp = read_log(runs[optimizer, "one"][0]), read_log(runs[optimizer, "fsdp"][0])
+def test_two_fsdp_ranks_match_one_process(runs):
+    # AdamWScale's RMS(p) needs the whole tensor, not a rank's slice: computed on the slices alone, the losses part
+    # from step 2 on
+    one, fsdp = read_log(runs["one"][0]), read_log(runs["fsdp"][0])
     assert one.keys() == fsdp.keys() == set(range(1, 9))
     for step in one:
         assert fsdp[step] == pytest.approx(one[step], rel=1e-4), step
 
 
 def test_each_rank_holds_half_the_state(runs):
-    one, fsdp = state_mib(runs["adamwscale", "one"][1]), state_mib(runs["adamwscale", "fsdp"][1])
+    one, fsdp = state_mib(runs["one"][1]), state_mib(runs["fsdp"][1])
     # weights + AdamWScale's two moments in fp32: 12 bytes per parameter, split over 2 ranks (+ padding of odd rows)
-    t5 = model_from_checkpoint(load_checkpoint(find_checkpoint(runs["adamwscale", "one"][0])))
+    t5 = model_from_checkpoint(load_checkpoint(find_checkpoint(runs["one"][0])))
     assert one == pytest.approx(12 * t5.num_params() / 2**20, rel=1e-3)
     assert fsdp == pytest.approx(one / 2, rel=0.01)
 
@@ -122,7 +119,7 @@ def test_two_nodes_shard_within_each_and_replicate_across(runs, data_dir, tmp_pa
                        f"--shard_across_nodes={shard_across_nodes}"], script=script)
     assert [code for code, _, _ in nodes] == [0, 0], nodes
     stdout = nodes[0][1]
-    one_dir, one_stdout = runs["adamwscale", "one"]
+    one_dir, one_stdout = runs["one"]
     assert read_log(out) == pytest.approx(read_log(one_dir), rel=2e-3)
     assert state_mib(stdout) == pytest.approx(state_mib(one_stdout) * share, rel=0.01)
     # rank 0 and rank 2, on the other node, all-reduce each FSDP group's gradients once a step, after the last
@@ -133,16 +130,16 @@ def test_two_nodes_shard_within_each_and_replicate_across(runs, data_dir, tmp_pa
 
 def test_sharded_checkpoint_loads_into_one_process_and_exports(runs, tmp_path):
     transformers = pytest.importorskip("transformers")
-    shards = os.path.join(runs["adamwscale", "fsdp"][0], "ckpt")
+    shards = os.path.join(runs["fsdp"][0], "ckpt")
     ckpt = load_checkpoint(find_checkpoint(shards))
     assert ckpt["step"] == 8 and sorted(os.listdir(shards)) == ["step-4", "step-8"]  # the newest two are kept
     ours = model_from_checkpoint(ckpt).eval()
     # the trained weights, not fresh ones: within float rounding of the one-process run's after the same 8 steps
-    reference = load_checkpoint(find_checkpoint(runs["adamwscale", "one"][0]))["model"]
+    reference = load_checkpoint(find_checkpoint(runs["one"][0]))["model"]
     for name, tensor in ours.state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=2e-3 * reference[name].abs().max().item())
     # the README's export command, which reads the shards in one process
-    r = run(["export.py", f"--init_from={runs['adamwscale', 'fsdp'][0]}", f"--out_dir={tmp_path / 'hf'}"])
+    r = run(["export.py", f"--init_from={runs['fsdp'][0]}", f"--out_dir={tmp_path / 'hf'}"])
     assert r.returncode == 0, r.stderr
     theirs = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path / "hf")).eval()
     torch.manual_seed(0)
@@ -157,7 +154,7 @@ def test_fsdp_ranks_start_from_whole_weights_as_one_process(runs, data_dir, tmp_
     # --init_from an older run's ckpt.pt (one file, the whole model), or a run's export to Hugging Face's
     # safetensors: every rank maps the file and copies out its own slices. 2 ranks log one process's losses from the
     # same weights.
-    ckpt = load_checkpoint(find_checkpoint(runs["adamwscale", "one"][0]))
+    ckpt = load_checkpoint(find_checkpoint(runs["one"][0]))
     weights, hf = str(tmp_path / "ckpt.pt"), str(tmp_path / "hf")
     torch.save({key: ckpt[key] for key in ("program", "model_config", "step", "config", "meta", "model")}, weights)
     save_pretrained(model_from_checkpoint(ckpt), hf, ckpt["tokenizer"])  # as export.py writes it
@@ -175,7 +172,7 @@ def test_fsdp_ranks_start_from_whole_weights_as_one_process(runs, data_dir, tmp_
 
 
 def test_kill_and_resume_is_exact(runs, data_dir, tmp_path):  # noqa: F811
-    straight = runs["adamwscale", "fsdp"][0]
+    straight = runs["fsdp"][0]
     killed = str(tmp_path / "killed")
     args = [*TORCHRUN, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={killed}", "--fsdp=True"]
     proc = start_until_step(args, killed, 5)
@@ -194,7 +191,7 @@ def test_kill_and_resume_is_exact(runs, data_dir, tmp_path):  # noqa: F811
 def test_a_run_resumes_in_any_mode_on_any_number_of_ranks(runs, data_dir, tmp_path):  # noqa: F811
     """One format for every run: one process's step-4 checkpoint resumes as 2 FSDP ranks, and FSDP's as one process,
     each logging the uninterrupted run's losses for steps 5 and 6 (DDP resumes as one process does: test_train.py)"""
-    one, fsdp = runs["adamwscale", "one"][0], runs["adamwscale", "fsdp"][0]
+    one, fsdp = runs["one"][0], runs["fsdp"][0]
     for name, source, launch, extra in (("fsdp", one, TORCHRUN, ["--fsdp=True"]),
                                         ("one", fsdp, [], ["--grad_accum_steps=2"])):
         out = tmp_path / name
@@ -213,7 +210,7 @@ def test_ranks_that_find_other_checkpoints_stop_together(runs, data_dir, tmp_pat
     # nothing. Every rank agrees on what it found, in one collective, and ends with the line (before, node 1's ranks
     # stopped with "no checkpoint", and node 0's waited for them up to an hour)
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    shutil.copytree(os.path.join(runs["adamwscale", "one"][0], "ckpt"), nodes[0] / "out" / "ckpt")
+    shutil.copytree(os.path.join(runs["one"][0], "ckpt"), nodes[0] / "out" / "ckpt")
     nodes[1].mkdir()
     args = [os.path.join(REPO, ARGS[0]), *ARGS[1:], f"--data_dir={data_dir}", "--out_dir=out", "--init_from=resume"]
     results = two_nodes(args, nproc=1, cwds=nodes)
@@ -226,7 +223,7 @@ def test_ranks_that_find_other_checkpoints_stop_together(runs, data_dir, tmp_pat
 def test_half_written_checkpoint_is_never_taken(runs, tmp_path):
     """a run killed mid-save leaves a step folder without the .metadata that dcp.save writes last"""
     out = tmp_path / "out"
-    shutil.copytree(os.path.join(runs["adamwscale", "fsdp"][0], "ckpt"), out / "ckpt")
+    shutil.copytree(os.path.join(runs["fsdp"][0], "ckpt"), out / "ckpt")
     (out / "ckpt" / "step-12").mkdir()
     shutil.copy(out / "ckpt" / "step-8" / "state.pt", out / "ckpt" / "step-12" / "state.pt")  # written first
     (out / "ckpt" / "step-12" / "__0_0.distcp").write_bytes(b"half")
@@ -275,7 +272,7 @@ def test_finetune_from_a_sharded_checkpoint_matches_one_process(runs, sni_dir, t
     """finetune.py --fsdp=True on 2 ranks from train.py's sharded checkpoint, against one process reading the same
     directory whole: the same weights after 3 steps, and the same predictions from generate() on the gathered ones.
     The loss is a mean over the step's label tokens: one micro-batch of all 4 examples logs the same."""
-    common = ["finetune.py", f"--init_from={os.path.join(runs['adamwscale', 'fsdp'][0], 'ckpt')}",
+    common = ["finetune.py", f"--init_from={os.path.join(runs['fsdp'][0], 'ckpt')}",
               f"--data_dir={sni_dir}", "--device=cpu", "--max_num_instances_per_task=10", "--max_new_tokens=8",
               "--eval_batch_size=4", "--batch_size=4", "--max_steps=3", "--lr=1e-3", "--log_interval=1",
               "--dropout=0.0"]
@@ -300,7 +297,7 @@ def test_finetune_from_a_sharded_checkpoint_matches_one_process(runs, sni_dir, t
 
 
 def test_finetune_evaluates_fewer_test_examples_than_ranks(runs, sni_dir, tmp_path):  # noqa: F811
-    r = run([*TORCHRUN, "finetune.py", f"--init_from={os.path.join(runs['adamwscale', 'fsdp'][0], 'ckpt')}",
+    r = run([*TORCHRUN, "finetune.py", f"--init_from={os.path.join(runs['fsdp'][0], 'ckpt')}",
              f"--data_dir={sni_dir}", "--device=cpu", "--max_num_instances_per_task=1", "--max_new_tokens=4",
              "--eval_only=True", "--fsdp=True", f"--out_dir={tmp_path / 'eval'}"])
     assert r.returncode == 0, r.stderr
@@ -310,7 +307,7 @@ def test_finetune_evaluates_fewer_test_examples_than_ranks(runs, sni_dir, tmp_pa
 def test_sample_reads_a_sharded_checkpoint(runs):
     from sample import encode, fill_in
     from checkpoint import tokenizer_of
-    out = runs["adamwscale", "fsdp"][0]
+    out = runs["fsdp"][0]
     text = "The river <extra_id_0> the city."
     r = run(["sample.py", f"--init_from={out}", f"--text={text}", "--device=cpu", "--max_new_tokens=8"])
     assert r.returncode == 0, r.stderr
@@ -329,7 +326,7 @@ import collections, json, os, sys
 sys.path.insert(0, {repo!r})
 import torch
 from model import T5, T5Config
-from optim import AdamWScale, Adafactor, param_groups
+from optim import AdamWScale, param_groups
 from runtime import Runtime, clip_grad_norm, draw_weights, setup_runtime, wrap_model
 
 setup_runtime("cpu", "float32", seed=0)  # joins the process group
@@ -380,12 +377,12 @@ def losses(dtype, fsdp, activation_checkpointing, steps=3):
         generate_gathers.append(dict(gathers))
     return dict(losses=out, gathers=counts, sizes=sizes, fills=fills, generate_gathers=generate_gathers)
 
-def adafactor_all_reduces():  # of an Adafactor step under FSDP: its second (the first also makes its state)
+def adamwscale_all_reduces():  # of an AdamWScale step under FSDP: its second (the first also makes its state)
     with torch.device("meta"):
         t5 = T5(config)
     wrap_model(t5, Runtime("cpu", "cpu", "float32", True, rank, rank, world), fsdp=True)
     draw_weights(t5)
-    opt = Adafactor(param_groups(t5, weight_decay=0.0), lr=1e-2)  # 2 groups
+    opt = AdamWScale(param_groups(t5, weight_decay=0.0), lr=1e-2)  # 2 groups
     for _ in range(2):
         t5(**mine)[1].backward()
         with torch.profiler.profile() as profile:
@@ -395,7 +392,7 @@ def adafactor_all_reduces():  # of an Adafactor step under FSDP: its second (the
 
 results = {{f"{{dtype}} {{fsdp}} {{ac}}": losses(dtype, fsdp, ac) for dtype in ("float32", "bfloat16")
            for fsdp in (False, True) for ac in (False, True)}}
-results["adafactor_all_reduces"] = adafactor_all_reduces()
+results["adamwscale_all_reduces"] = adamwscale_all_reduces()
 
 def clip_all_reduces():  # of clipping the gradients under FSDP: the total norm, reduced once
     with torch.device("meta"):
@@ -452,11 +449,10 @@ def test_generate_gathers_each_block_once_for_any_number_of_tokens(groups):
         assert gathers[str(sizes["encoder_block"])] == gathers[str(sizes["decoder_block"])] == 3  # once a layer
 
 
-def test_adafactor_under_fsdp_reduces_all_tensors_at_once(groups):
-    # 75 tensors in 2 groups; each group's step sums over the ranks in one all-reduce for RMS(p), one for RMS(u), and
-    # one for the matrices' column means and mean(R), which only the first group has (the second: RMSNorm scales).
-    # As DTensor ops, tensor by tensor, it took 266 (and 116 more of DTensor's own)
-    assert groups["adafactor_all_reduces"] == 3 + 2
+def test_adamwscale_under_fsdp_reduces_all_tensors_at_once(groups):
+    # 75 tensors in 2 groups; each group's step sums the squares of its tensors' slices over the ranks, for RMS(p), in
+    # one all-reduce, not one a tensor
+    assert groups["adamwscale_all_reduces"] == 2
 
 
 def test_the_gradient_norm_is_reduced_once(groups):
@@ -479,7 +475,7 @@ def test_compiled_fsdp_with_accumulation_and_checkpointing_matches_one_process(r
     r = run([*TORCHRUN, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--fsdp=True",
              "--max_steps=3", "--grad_accum_steps=2", "--activation_checkpointing=True", "--compile=True"])
     assert r.returncode == 0, r.stderr
-    one, compiled = read_log(runs["adamwscale", "one"][0]), read_log(out_dir)
+    one, compiled = read_log(runs["one"][0]), read_log(out_dir)
     assert compiled.keys() == {1, 2, 3}
     for step in compiled:
         assert compiled[step] == pytest.approx(one[step], rel=1e-4), step
@@ -518,7 +514,7 @@ def peaks(tmp_path_factory):
     data = str(root / "data")
     prepare(dataset=str(root / "corpus.jsonl"), tokenizer="train", out_dir=data, vocab_size=1900)
     common = ["config/t5_tiny.py", "--device=cpu", "--dtype=float32", "--compile=False", "--input_length=16",
-              "--batch_size=4", "--grad_accum_steps=2", "--optimizer=adafactor", "--eval_steps=1", "--warmup_steps=1",
+              "--batch_size=4", "--grad_accum_steps=2", "--eval_steps=1", "--warmup_steps=1",
               "--log_interval=1", "--time_budget_hours=0",
               f"--data_dir={data}", "--checkpoint_interval=1", "--eval_interval=1"]
     env = dict(MALLOC_MMAP_THRESHOLD_="65536")  # glibc gives freed blocks back: the peak is of live memory
@@ -549,13 +545,13 @@ def peaks(tmp_path_factory):
 @pytest.mark.xdist_group("test_fsdp peaks")  # its own fixture, 4 minutes: beside the file's other tests
 @pytest.mark.parametrize("case", ["step", "resume", "start"])
 def test_no_fsdp_rank_holds_the_whole_model(peaks, case):
-    """One process holds the weights and their gradients, 8 bytes per parameter (Adafactor's factored moments are
-    small); each of 2 FSDP ranks half of that, plus gathered blocks and activations, whatever it does: a step of 2
+    """One process holds the weights, their gradients and AdamWScale's two moments, 16 bytes per parameter; each of
+    2 FSDP ranks half of that, plus gathered blocks and activations, whatever it does: a step of 2
     micro-steps and an evaluation, a resume, or a start from another run's whole weights. Whole weights on a rank
     (an unsharded copy to generate with, whole gradients while accumulating, a whole checkpoint read to resume or
     start from) would each add 768 MiB."""
-    parameters = 201.4e6
+    parameters = 201.4e6 - 2.0e6  # t5-v1_1-base's less t5-mini's, each with a vocab of 2,048
     one = peaks["t5-v1_1-base", "one", "step"][0] - peaks["t5-mini", "one", "step"][0]
-    assert 8 * parameters / 2**20 < one < 9 * parameters / 2**20
+    assert 16 * parameters / 2**20 < one < 17 * parameters / 2**20
     for base, mini in zip(peaks["t5-v1_1-base", "fsdp", case], peaks["t5-mini", "fsdp", "step"]):
         assert base - mini < one / 2 + 250  # MiB: 2 gathered blocks and their gradients, 144 MiB in fp32

@@ -10,14 +10,14 @@ import torch
 import torch.nn as nn
 import transformers
 
-from checkpoint import hf_names, load_model, save_pretrained
+from checkpoint import hf_names, load, model_from_checkpoint, save_pretrained
 from model import PRESETS, T5, KVCache, T5Config, relative_position_bucket
 from runtime import apply_activation_checkpointing
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
 def from_pretrained(name_or_dir, **overrides):  # transformers' from_pretrained, here
-    return load_model(name_or_dir, **overrides)[0]
+    return model_from_checkpoint(load(name_or_dir), **overrides)
 
 
 # small, but with everything that can go wrong: encoder/decoder depths differ, heads * d_kv != d_model,
@@ -143,7 +143,7 @@ def test_from_pretrained_dropout_and_overrides(tmp_path):
 
 
 def test_attention_projections_are_separate_parameters():
-    # AdamWScale and Adafactor scale updates by the RMS of each tensor: fusing q with k and v would change training
+    # AdamWScale scales updates by the RMS of each tensor: fusing q with k and v would change training
     model = T5(T5Config(**SMALL))
     names = {name for name, _ in model.named_parameters()}
     for attn in ["encoder.blocks.0.attn", "decoder.blocks.1.self_attn", "decoder.blocks.1.cross_attn"]:
@@ -192,17 +192,6 @@ def test_cached_generate_equals_recompute():
             logits, _ = ours(prompts, decoder_input_ids, attention_mask=attention_mask)
             decoder_input_ids = torch.cat([decoder_input_ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(got, decoder_input_ids[:, 1:])
-
-
-def test_sampling_respects_top_k():
-    torch.manual_seed(7)
-    ours = T5(T5Config(**SMALL)).eval()
-    prompts = torch.randint(2, 300, (2, 10))
-    greedy = ours.generate(prompts, max_new_tokens=6)
-    top1 = ours.generate(prompts, max_new_tokens=6, temperature=1.0, top_k=1)
-    assert torch.equal(greedy, top1)
-    sampled = ours.generate(prompts, max_new_tokens=6, temperature=1.0)
-    assert sampled.shape == (2, 6) and sampled.dtype == torch.long
 
 
 # ---- presets, parameter count, init, training ----
@@ -295,16 +284,6 @@ def test_cross_attention_kv_are_copied_contiguous_on_cpu_only():
     assert all(k.is_contiguous() and v.is_contiguous() for k, v in model.decoder.encoder_kv(encoder_out))
     kv = model.to("meta").decoder.encoder_kv(encoder_out.to("meta"))
     assert not any(k.is_contiguous() or v.is_contiguous() for k, v in kv)
-
-
-
-def test_compiled_decode_step_generates_the_same_tokens():
-    # generate(compile=True) runs decode_step through torch.compile(fullgraph=True): one graph for every position
-    torch.manual_seed(9)
-    ours = T5(T5Config(**{**SMALL, "num_layers": 1, "num_decoder_layers": 1})).eval()
-    prompts, attention_mask, _ = padded_batch(seed=10, B=3, S=12)
-    eager = ours.generate(prompts, attention_mask, max_new_tokens=6)
-    assert torch.equal(ours.generate(prompts, attention_mask, max_new_tokens=6, compile=True), eager)
 
 
 def test_activation_checkpointing_keeps_only_each_blocks_input():

@@ -186,7 +186,6 @@ def batches(data_dir, split="train", batch_size=8, seed=0, input_length=64):
     return D.SpanCorruptionBatches(data_dir, split, batch_size, input_length, 0.15, 3.0, seed)
 
 
-
 # -----------------------------------------------------------------------------------------------------------------
 # damaged folders, stale and bad tokenizers, full disks
 
@@ -294,13 +293,6 @@ def test_tokenizer_training_reports_a_failure_to_read_as_itself():
         raise KeyboardInterrupt  # Ctrl-C while the corpus is read
     with pytest.raises(KeyboardInterrupt):
         P.train_spiece(texts(), 100)
-
-
-def test_a_val_set_shorter_than_a_window_is_reported(corpus, tmp_path, capsys):
-    P.prepare(corpus, **prepare_args(tmp_path, max_val_tokens=100))
-    assert "warning: val.bin holds 100 tokens, fewer than one window" in capsys.readouterr().out
-
-
 
 
 # -----------------------------------------------------------------------------------------------------------------

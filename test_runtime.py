@@ -10,13 +10,12 @@ from test_train import REPO, run
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
 # the exact names torch.cuda.get_device_name prints, and each one's dense bf16 peak; near misses of a listed name
-# (an L40S is not an L4, an H100 PCIe is not an SXM) must not borrow its figure
+# (an H200 NVL is not an H200, an H100 PCIe is not an SXM) must not borrow its figure
 REAL_GPU_NAMES = {
     "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
     "NVIDIA A100 80GB PCIe": 312e12, "NVIDIA H100 80GB HBM3": 989.5e12, "NVIDIA H100 PCIe": 756.5e12,
-    "NVIDIA H100 NVL": 835.5e12, "NVIDIA H200": 989.5e12, "NVIDIA L4": 121e12, "NVIDIA L40": 181e12,
-    "NVIDIA L40S": 362e12, "NVIDIA GeForce RTX 3090": 71e12, "NVIDIA GeForce RTX 4090": 165.2e12,
-    "NVIDIA A10G": None, "NVIDIA GeForce RTX 3090 Ti": None, "NVIDIA RTX A6000": None, "Tesla V100-SXM2-16GB": None,
+    "NVIDIA H200": 989.5e12, "NVIDIA B200": 2.25e15, "NVIDIA H100 NVL": None, "NVIDIA H200 NVL": None,
+    "NVIDIA L40S": None, "NVIDIA GeForce RTX 4090": None, "NVIDIA A10G": None, "Tesla V100-SXM2-16GB": None,
 }
 
 

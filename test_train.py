@@ -264,7 +264,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4"]
     assert run(["train.py", *args, "--max_steps=4"]).returncode == 0
     good = checkpoint_bytes(out)
-    r = run(["train.py", *args, "--max_steps=40", "--init_from=resume", "--lr=1e30", "--lr_schedule=constant",
+    r = run(["train.py", *args, "--max_steps=40", "--init_from=resume", "--lr=1e30", "--min_lr=1e30",
              "--grad_clip=0.0"])
     assert r.returncode == 1
     assert r.stderr.startswith("error: ") and "diverged; resume with a lower lr" in r.stderr, r.stderr
@@ -527,7 +527,7 @@ def test_sigterm_between_log_steps_stops_within_steps_and_resumes_exactly(data_d
     # torchrun's 2 ranks, at the same step within 3 of it. Either saves a checkpoint, from which the same command
     # again, --init_from=auto as a requeued job runs it (here with a nearer max_steps), logs what a run never stopped
     # logs; in an empty out_dir, that command started the run
-    args = [*TINY, f"--data_dir={data_dir}", "--lr_schedule=constant", "--eval_interval=1000000",
+    args = [*TINY, f"--data_dir={data_dir}", "--min_lr=0.03", "--eval_interval=1000000",
             "--checkpoint_interval=1000000", "--init_from=auto"]
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if nproc == 2 else []
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"

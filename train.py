@@ -15,7 +15,7 @@ import checkpoint
 import runtime
 from data import Prefetcher, SpanCorruptionBatches, micro_batch_size, span_accuracy, unigram_baseline
 from model import PRESETS, T5, T5Config
-from optim import LR_SCHEDULES, OPTIMIZERS, get_lr, make_optimizer, param_groups
+from optim import OPTIMIZERS, get_lr, make_optimizer, param_groups
 from prepare import RECIPES, load_meta, load_tokenizer, prepare
 from runtime import print0
 
@@ -37,10 +37,9 @@ time_budget_hours = 0.0  # > 0: the schedule and the stop follow training time (
 # optimizer and schedule
 optimizer = "adamwscale"
 lr = 2e-2
-lr_schedule = "cosine"
 warmup_steps = 10000
 warmup_start_factor = 0.5
-min_lr = 1e-5
+min_lr = 1e-5  # where the cosine ends; min_lr = lr: a constant lr
 weight_decay = 0.0
 grad_clip = 1.0
 # intervals
@@ -65,7 +64,7 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 # the values that would never end, fail obscurely or train silently wrong: refused, a line each
 runtime.check_config(config, [
     *[(key, globals()[key] in choices, f"one of {', '.join(choices)}") for key, choices in
-      (("model", PRESETS), ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES))],
+      (("model", PRESETS), ("optimizer", OPTIMIZERS))],
     ("out_dir", out_dir and not os.path.isfile(out_dir), "a folder's path"),
     ("noise_density", 0 < noise_density < 1, "in (0, 1)"),
     ("mean_noise_span_length", mean_noise_span_length >= 1, ">= 1"),
@@ -134,7 +133,7 @@ if step >= max_steps:  # a resume with nothing left to train
 train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank, rt.world_size, rt.device)
 tokens_per_step = batch_size * (input_length + train_data.targets_length)
 step_flops = runtime.flops_per_step(t5, batch_size, input_length, train_data.targets_length)
-common_fill, span_baseline = unigram_baseline(train_data, val_data, eval_steps)
+common_fill, span_baseline = unigram_baseline(val_data, eval_steps)
 print0(f"span accuracy baseline {span_baseline:.4f}: always writing the commonest fill, "
        f"{tok.decode(common_fill)!r}")
 # two held-out examples every evaluation shows filled in: the first two windows of val.bin
@@ -184,8 +183,7 @@ while not last_step:
     # where the schedule is, in steps: this step's number; under a time budget, the share of the
     # budget spent by the last sync step, times max_steps (the same on every rank)
     schedule_step = elapsed / budget_s * max_steps if budget_s else step + 1
-    lr_now = get_lr(schedule_step, max_steps, lr_schedule, lr, warmup_steps, warmup_start_factor,
-                    min_lr)
+    lr_now = get_lr(schedule_step, max_steps, lr, warmup_steps, warmup_start_factor, min_lr)
     for group in opt.param_groups:
         group["lr"].fill_(lr_now)  # in place: a compiled optimizer step does not compile again
     # forward and backward over this rank's micro-batches, the gradients summed; clip; update

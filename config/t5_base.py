@@ -14,7 +14,6 @@ grad_accum_steps = 1  # raise it if a micro-batch of 128 does not fit your GPU; 
 max_steps = 65536
 optimizer = "adamwscale"  # AdamW with the update scaled by each tensor's RMS, like Adafactor
 lr = 2e-2
-lr_schedule = "cosine"
 warmup_steps = 10000  # linear from 0.5 * 2e-2 = 1e-2 to 2e-2, then cosine down to 1e-5
 warmup_start_factor = 0.5
 min_lr = 1e-5
