@@ -8,13 +8,20 @@ today's step, in this process, on the same weights and batch, A B B A after warm
 Then each side's phases (forward, backward, clip, optimizer), its first call (Inductor's caches off; today's
 includes compiling the optimizer's update, which the later sides reuse),
 AdamWScale's step alone in both forms, and flex against SDPA for one encoder layer, forward and backward.
+Then train.py as a user runs it (train_run): config/t5_base.py on data/pydoc, compiled, bf16, 120 steps with a
+checkpoint at 100, those last 20 steps again resumed from it, and sample.py from the run.
 Prints one table and writes the same figures to $OUT/gpu_trials.json (else ./gpu_trials.json).
-Off a GPU it runs t5-tiny at batch 2 without flex, to check the script itself."""
+`python docs/gpu_trials.py train` runs train_run alone.
+Off a GPU it runs t5-tiny at batch 2 without flex, and train_run with t5-mini, to check the script itself."""
 import copy
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 
 if __name__ == "__main__":  # each first call compiles from nothing, sharing no cached kernel with another's
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
@@ -25,7 +32,10 @@ from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 from optim import make_optimizer, param_groups  # noqa: E402
+from prepare import RECIPES, prepare  # noqa: E402
 from runtime import setup_runtime  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def flex_self_attention(attn, x, bias):
@@ -82,8 +92,69 @@ def layer_attention(rt, B, H, S, steps):
     return dict(sdpa_ms=1e3 * sdpa_ms, flex_ms=1e3 * flex_ms, max_rel_error=errors)
 
 
+def train_run(on_cuda, folder):
+    """train.py as a user runs it: config/t5_base.py on data/pydoc (prepared here in seconds; its vocab of 1,152 makes
+    the model 200M parameters), compiled, bf16, 120 steps logged each, a checkpoint at step 100 and at the end; then a
+    copy of the run without its last checkpoint resumes from step 100, and its 20 steps must log the same losses;
+    then sample.py fills a text from the run. The lr is constant after 10 warmup steps, so that no step's lr depends
+    on max_steps. Off a GPU: t5-mini at batch 8 x 64, eager, fp32."""
+    data = os.path.join(folder, "pydoc")
+    prepare(**RECIPES["pydoc"], out_dir=data)
+    size = [] if on_cuda else ["--model=t5-mini", "--batch_size=8", "--input_length=64", "--compile=False",
+                               "--dtype=float32", "--device=cpu"]
+    common = ["config/t5_base.py", f"--data_dir={data}", "--max_steps=120", "--warmup_steps=10", "--min_lr=2e-2",
+              "--log_interval=1", "--checkpoint_interval=100", "--eval_interval=100", "--eval_steps=1", *size]
+    env = dict(os.environ)
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)  # the resume may reuse the first run's kernels
+
+    def train(out_dir, *extra):
+        t0 = time.time()
+        r = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={out_dir}", *extra], cwd=REPO, env=env,
+                           capture_output=True, text=True)
+        print(r.stdout[-2500:] + r.stderr[-2500:])
+        with open(os.path.join(out_dir, "log.jsonl")) as f:
+            losses = {rec["step"]: rec for rec in map(json.loads, f) if "loss" in rec}
+        return dict(returncode=r.returncode, seconds=time.time() - t0, stdout=r.stdout), losses
+
+    straight = os.path.join(folder, "straight")
+    first, losses = train(straight)
+    resumed = os.path.join(folder, "resumed")
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(os.path.join(resumed, "ckpt", "step-120"))
+    second, resumed_losses = train(resumed, "--init_from=resume")
+    sample = subprocess.run([sys.executable, "sample.py", f"--init_from={straight}"], cwd=REPO, capture_output=True,
+                            text=True)
+    print(sample.stdout + sample.stderr[-2000:])
+    ms = sorted(rec["ms_per_step"] for step, rec in losses.items() if 20 < step <= 100)
+    peak = [line for line in first["stdout"].splitlines() if "peak memory" in line or "optimizer state" in line]
+    differences = [abs(resumed_losses[step]["loss"] - losses[step]["loss"]) for step in range(101, 121)]
+    return dict(returncode=[first["returncode"], second["returncode"], sample.returncode],
+                seconds=[first["seconds"], second["seconds"]],
+                losses={step: rec["loss"] for step, rec in losses.items()},
+                resumed_losses={step: resumed_losses[step]["loss"] for step in range(101, 121)},
+                resume_max_abs_difference=max(differences), resume_exact=max(differences) == 0.0,
+                median_ms_per_step_20_to_100=ms[len(ms) // 2], memory=peak, sample=sample.stdout)
+
+
+def print_train_run(run):
+    losses = run["losses"]
+    print(f"train.py: exit codes {run['returncode']}, {run['seconds'][0]:.0f} s and {run['seconds'][1]:.0f} s (resume);"
+          f" loss {losses[1]:.3f} at step 1, {losses[100]:.3f} at 100, {losses[120]:.3f} at 120; "
+          f"{run['median_ms_per_step_20_to_100']:.1f} ms/step (median, steps 21-100); resumed steps 101-120 "
+          f"{'equal' if run['resume_exact'] else 'differ'} (max |difference| {run['resume_max_abs_difference']:.2e})")
+    print("\n".join(run["memory"]) + "\n" + run["sample"])
+
+
 def main():
     on_cuda = torch.cuda.is_available()
+    out = os.environ.get("OUT", ".")
+    if sys.argv[1:] == ["train"]:
+        with tempfile.TemporaryDirectory() as folder:
+            run = train_run(on_cuda, folder)
+        print_train_run(run)
+        with open(os.path.join(out, "gpu_train_run.json"), "w") as f:
+            json.dump(run, f, indent=2)
+        return
     rt = setup_runtime("auto", "bfloat16" if on_cuda else "float32")
     name, batch_size, input_length, steps = ("t5-v1_1-base", 128, 512, 10) if on_cuda else ("t5-tiny", 2, 64, 4)
     vocab_size = 32128 if on_cuda else 256
@@ -138,7 +209,10 @@ def main():
     print("AdamWScale alone: " + ", ".join(f"{k} {v:.2f} ms" for k, v in results["adamwscale_ms"].items()))
     if on_cuda:
         print(f"encoder layer attention: {results['encoder_layer_attention']}")
-    path = os.path.join(os.environ.get("OUT", "."), "gpu_trials.json")
+    with tempfile.TemporaryDirectory() as folder:
+        results["train_run"] = train_run(on_cuda, folder)
+    print_train_run(results["train_run"])
+    path = os.path.join(out, "gpu_trials.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {path}")
