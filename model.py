@@ -74,17 +74,6 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
     large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
     return bucket + torch.where(distance < max_exact, distance, large)
 
-class RMSNorm(nn.Module):
-    """T5's layer norm: scale only, no mean subtraction, no bias, the variance in fp32 always"""
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        x = x.float()
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
 class KVCache(nn.Module):
     """self-attention's k, v of the tokens decoded so far, in buffers sized up front: one shape"""
     def __init__(self, shape, dtype, device):  # shape: (B, nh, max_len, hs)
@@ -156,9 +145,10 @@ class GatedGELU(nn.Module):
 class EncoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
         super().__init__()
-        self.ln_1 = RMSNorm(config.d_model, config.layer_norm_eps)
+        # T5's layer norm is RMSNorm: scale only, no mean, no bias; here on the fp32 residual stream
+        self.ln_1 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
         self.attn = Attention(config, has_relative_attention_bias)
-        self.ln_2 = RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_2 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
         self.ff = GatedGELU(config)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -169,11 +159,11 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
         super().__init__()
-        self.ln_1 = RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_1 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
         self.self_attn = Attention(config, has_relative_attention_bias, bidirectional=False)
-        self.ln_2 = RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_2 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
         self.cross_attn = Attention(config)
-        self.ln_3 = RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_3 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
         self.ff = GatedGELU(config)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -204,7 +194,7 @@ class Stack(nn.Module):
     def __init__(self, config, block, num_layers):
         super().__init__()
         self.blocks = nn.ModuleList([block(config, i == 0) for i in range(num_layers)])
-        self.ln_f = RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_f = nn.RMSNorm(config.d_model, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
 class Encoder(Stack):

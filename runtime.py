@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import uuid
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -184,6 +185,9 @@ def shard_model(model, rt, shard_across_nodes=False):
     param_dtype = torch.bfloat16 if rt.dtype == "bfloat16" else None  # None: fp32, as stored
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False)
+    # under bf16 a block's norms scale the fp32 residual stream by bf16 weights: torch computes that
+    # in fp32, unfused, and would say so on every rank
+    warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")
     for name, module in model.named_modules():
         if name.endswith("relative_attention_bias"):
             fully_shard(module, mesh=mesh)

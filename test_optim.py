@@ -118,9 +118,9 @@ def test_min_lr_at_lr_is_a_constant_lr():
 
 
 def test_param_groups_spare_norm_weights():
-    from model import RMSNorm, T5, T5Config
+    from model import T5, T5Config
     t5 = T5(T5Config.from_preset("t5-tiny"))
-    norm_weights = {id(m.weight) for m in t5.modules() if isinstance(m, RMSNorm)}
+    norm_weights = {id(m.weight) for m in t5.modules() if isinstance(m, nn.RMSNorm)}
     decayed, not_decayed = param_groups(t5, 0.1)
     assert decayed["weight_decay"] == 0.1 and not_decayed["weight_decay"] == 0.0
     assert {id(p) for p in not_decayed["params"]} == norm_weights
