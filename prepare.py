@@ -411,7 +411,7 @@ def prepare_command(settings, data_dir):
     return f"python prepare.py {' '.join(flags)} --out_dir={shlex.quote(data_dir)}"
 
 def load_meta(data_dir):
-    """meta.json of a complete prepared folder, with data_dir, source, train_shards and counts"""
+    """meta.json of a complete prepared folder, with data_dir, source and counts"""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         recipe = RECIPES.get(os.path.basename(os.path.normpath(data_dir)))
         recipes = [recipe] if recipe else RECIPES.values()  # the data its name says, or either
@@ -423,8 +423,7 @@ def load_meta(data_dir):
     if not meta["complete"]:
         raise SystemExit(f"error: {data_dir} is not completely prepared: finish it with "
                          f"`{prepare_command(meta['settings'], data_dir)}`")
-    meta.update(data_dir=os.path.abspath(data_dir), source=meta["settings"]["dataset"],
-                train_shards=[shard_name("train", i) for i in range(len(meta["shards"]))])
+    meta.update(data_dir=os.path.abspath(data_dir), source=meta["settings"]["dataset"])
     meta.setdefault("tokenizer_sha256", load_tokenizer(meta).sha256)  # checked against meta.json
     for split, files in (("train", meta["shards"]), ("val", meta["val"])):
         meta[f"{split}_tokens"] = sum(file["tokens"] for file in files)

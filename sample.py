@@ -24,7 +24,7 @@ def check_text(text):
     if not numbers:
         raise SystemExit("error: --text has no sentinel to fill in: mark gaps with <extra_id_0>, "
                          "<extra_id_1>, ...")
-    if numbers and max(numbers) >= NUM_SENTINELS:
+    if max(numbers) >= NUM_SENTINELS:
         raise SystemExit(f"error: --text has <extra_id_{max(numbers)}>, but a T5 knows only "
                          f"<extra_id_0> to <extra_id_{NUM_SENTINELS - 1}>")
     if len(set(numbers)) < len(numbers):
