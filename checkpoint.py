@@ -26,6 +26,8 @@ warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or
 
 # what a run writes into its out_dir: a new run refuses a folder that holds one of them
 RUN_FILES = ("ckpt", "log.jsonl", "metrics.json", "predictions.jsonl", "ckpt.pt")
+# the files a save writes into a step folder: pruning takes no folder that holds another
+SAVED = re.compile(r"state\.pt|\.metadata|__\d+_\d+\.distcp|.*\.tmp")
 NOTHING_THERE = ("error: {} holds no run or weights{}: pass a run's out_dir (or a step folder of "
                  "its ckpt/), a folder of Hugging Face weights, or a Hub name like "
                  "google/t5-v1_1-base")
@@ -65,8 +67,9 @@ def save_checkpoint(out_dir, t5, optimizer, step, elapsed, run):
     if rank() == 0:
         steps = step_folders(os.path.join(out_dir, "ckpt"))
         kept = [path for path in steps if os.path.isfile(os.path.join(path, ".metadata"))][-2:]
-        for old in set(steps) - set(kept):  # and any a killed save left incomplete
-            shutil.rmtree(old)
+        for old in set(steps) - set(kept):  # and any a killed save left incomplete,
+            if all(SAVED.fullmatch(name) for name in os.listdir(old)):  # if a save wrote it
+                shutil.rmtree(old)
 
 def step_folders(folder):
     """folder's step-<integer> folders, oldest first: a user's step-4000.bak is none of them"""
@@ -115,24 +118,31 @@ def load_checkpoint(path, weights=True):
         ckpt["tokenizer"] = read_tokenizer(file).data if file else None
     return ckpt
 
-def newest_checkpoint(out_dir):
-    """out_dir's newest checkpoint, or None, the same on every rank: each rank's finding, in one
+def newest_checkpoint(path, key="out_dir"):
+    """path's newest checkpoint, or None, the same on every rank: each rank's finding, in one
     all-gather, for a node that sees another folder would load another state, or wait for the rest"""
-    path = find_checkpoint(out_dir)
-    found = all_gathered(path)
+    found = all_gathered(find_checkpoint(path))
     if len(set(found)) > 1:
-        raise SystemExit(f"error: the ranks found different checkpoints in {out_dir} "
-                         f"({', '.join(sorted(map(str, set(found))))}): out_dir must be a folder "
+        raise SystemExit(f"error: the ranks found different checkpoints in {path} "
+                         f"({', '.join(sorted(map(str, set(found))))}): {key} must be a folder "
                          f"every node sees")
-    return path
+    return found[0]
 
-def load_resume(out_dir, program, config, meta, fixed):
-    """The newest checkpoint of out_dir's run, which --init_from=resume continues on any number of
-    ranks: the same on each, one its program wrote, with the keys in `fixed` (what its weights and
-    optimizer state were made with) and its data's settings unchanged. Its shards stay on disk."""
-    path = newest_checkpoint(out_dir)
-    if path is None:
-        raise SystemExit(f"error: no checkpoint to resume in {out_dir}: train one first")
+def changes(saved, now, prefix=""):
+    """what differs between two runs' settings: a "key saved -> now" each, by key"""
+    return {key: f"{prefix}{key} {saved[key]!r} -> {value!r}" for key, value in now.items()
+            if key in saved and saved[key] != value and key != "init_from"}
+
+def refuse(path, wrong):
+    if wrong:
+        raise SystemExit(f"error: --init_from=resume continues the run in {path}, which had other "
+                         f"settings ({', '.join(wrong)}): set them back, or start a new run in "
+                         f"another --out_dir")
+
+def load_resume(path, program, config, fixed):
+    """The checkpoint at path, which --init_from=resume continues on any number of ranks: one its
+    program wrote, with the keys in `fixed` (what its weights and optimizer state were made with)
+    unchanged. Its shards stay on disk."""
     fix = f"start from its weights with --init_from={path} in another --out_dir"
     if os.path.isfile(path):
         raise SystemExit(f"error: {path} is an older run's checkpoint file, which a resume does "
@@ -142,21 +152,19 @@ def load_resume(out_dir, program, config, meta, fixed):
         writer = ckpt.get("program") or "another program"
         raise SystemExit(f"error: {path} was written by {writer}, and {program} resumes only its "
                          f"own runs: {fix}")
-
-    def settings(config, meta):  # the keys, and the data's settings as data.key
-        data = (meta or {}).get("settings") or {}
-        return {**config, **{f"data.{key}": value for key, value in data.items()}}
-    saved, current = settings(ckpt["config"], ckpt["meta"]), settings(config, meta or ckpt["meta"])
-    changed = {key: f"{key} {saved[key]!r} -> {current[key]!r}" for key in current
-               if key in saved and saved[key] != current[key] and key != "init_from"}
-    wrong = [text for key, text in changed.items() if key in fixed or key.startswith("data.")]
-    if wrong:
-        raise SystemExit(f"error: --init_from=resume continues the run in {path}, which had other "
-                         f"settings ({', '.join(wrong)}): set them back, or start a new run in "
-                         f"another --out_dir")
+    changed = changes(ckpt["config"], config)
+    refuse(path, [text for key, text in changed.items() if key in fixed])
     changed = f"; changed on resume: {', '.join(changed.values())}" if changed else ""
     print0(f"resuming from {path} at step {ckpt['step']}{changed}")
     return ckpt
+
+def check_data(ckpt, meta, how):
+    """a resume reads its own run's data; weights, data of their own tokenizer"""
+    if how == "resume":
+        settings = changes(ckpt["meta"]["settings"], meta["settings"], "data.")
+        refuse(ckpt["shards"], list(settings.values()))
+    if ckpt:
+        check_tokenizer(ckpt, meta, ckpt.get("shards") or how)
 
 def diverged(out_dir, step):
     """the line of a run whose loss or grad norm became NaN or inf, with a fix that works"""
@@ -213,24 +221,47 @@ def tokenizer_of(ckpt, source):
 
 # what a run starts from: its own checkpoint, a run's, Hugging Face weights, or nothing
 
-def start_from(init_from, out_dir, program, config, meta, fixed, preset=None, fsdp=False):
-    """What a run starts from: for 'resume' its out_dir's newest checkpoint (load_resume); for a new
-    run, in an out_dir free of other runs' files, what init_from names (load), or None (scratch).
-    With meta (train.py's data), the weights' tokenizer must be the data's."""
+def start_from(init_from, out_dir, program, config, fixed, preset=None, fsdp=False):
+    """What a run starts from, found the same on every rank before any is read: (how, checkpoint).
+    'resume': out_dir's newest checkpoint, its weights still on disk (load_resume); 'scratch': None,
+    in an out_dir free of other runs' files; a run or Hugging Face weights: those (load). 'auto' is
+    resume if out_dir holds a checkpoint, else scratch, also over what this run logged before a
+    first checkpoint it never wrote."""
     if init_from.lower() in ("resume", "scratch", "auto") and not init_from.islower():
         raise SystemExit(f"error: --init_from={init_from} names no run or weights here: did you "
                          f"mean --init_from={init_from.lower()}?")
-    if init_from == "resume":
-        ckpt = load_resume(out_dir, program, config, meta, fixed)
-    else:
+    how = init_from
+    if init_from in ("resume", "auto"):
+        path = newest_checkpoint(out_dir)
+        how = "resume" if path or init_from == "resume" else "scratch"
+    if init_from == "auto":
+        print0(f"--init_from=auto: {how}")
+    if how == "resume":
+        if path is None:
+            raise SystemExit(f"error: no checkpoint to resume in {out_dir}: train one first")
+        return how, load_resume(path, program, config, fixed)
+    if not (init_from == "auto" and started_early(out_dir, program, config, fixed)):
         check_new_run(out_dir)
-        if init_from == "scratch":
-            return None
-        print0(f"a new run from the weights of {init_from}")
-        ckpt = load(init_from, fsdp, preset)
-    if meta:
-        check_tokenizer(ckpt, meta, ckpt.get("shards") or init_from)
-    return ckpt
+    if how == "scratch":
+        return how, None
+    print0(f"a new run from the weights of {init_from}")
+    return how, load(init_from, fsdp, preset)
+
+def started_early(out_dir, program, config, fixed):
+    """whether out_dir's log.jsonl is this run's (its program, keys in `fixed`, data_dir), which
+    stopped before its first checkpoint: the log is dropped, with a note, and the run begins again"""
+    try:
+        with open(os.path.join(out_dir, "log.jsonl")) as f:
+            lines = f.readlines()
+        first = json.loads(lines[0])
+    except (OSError, IndexError, ValueError):
+        return False
+    keys = (*fixed, "data_dir")
+    if first.get("program") != program or any(first["config"].get(k) != config[k] for k in keys):
+        return False
+    print0(f"{out_dir}/log.jsonl: dropped the {len(lines)} lines of a start stopped before its "
+           f"first checkpoint")
+    return True
 
 def load(init_from, fsdp=False, preset=None):
     """What a new run (or sample.py, export.py) starts from, as a checkpoint: model_config, meta (a
@@ -239,7 +270,7 @@ def load(init_from, fsdp=False, preset=None):
     folder, a Hub name), of the shape of the model preset if one is given. No rank holds the whole
     model: under FSDP a run's shards stay on disk, for each rank to read its own; other weights are
     mapped from their files, not read, until load_weights copies out what the rank keeps."""
-    path = find_checkpoint(init_from)
+    path = newest_checkpoint(init_from, "init_from")
     if path:
         ckpt = load_checkpoint(path, weights=not fsdp)
     else:

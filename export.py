@@ -8,6 +8,7 @@ and sample.py read back as the run.
 import os
 
 from checkpoint import find_checkpoint, load, model_from_checkpoint, save_pretrained, tokenizer_of
+from runtime import claim
 
 # -------------------------------------------------------------------------------------------------
 init_from = "out/t5_tiny"  # a run: its out_dir, ckpt/ or a step folder (or an older run's ckpt.pt)
@@ -23,6 +24,7 @@ if __name__ == "__main__":
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise SystemExit(f"error: {out_dir} is not an empty folder, and export.py replaces no "
                          f"file: pass a new --out_dir")
+    claim(out_dir, lock=False)  # a folder it can write in, before any work
     ckpt = load(init_from)
     model = model_from_checkpoint(ckpt)
     tokenizer_of(ckpt, init_from)  # checked against the model before any write

@@ -8,7 +8,6 @@ instances per task).
     torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True
 """
 import dataclasses
-import importlib.util
 import json
 import os
 import random
@@ -188,8 +187,9 @@ if __name__ == "__main__":
         ("max_steps", max_steps >= 0, ">= 0 (0: epochs)"),
         ("eval_interval", eval_interval >= 0, ">= 0 (0: at the end)"),
         ("seed", 0 <= seed < 2**32, "in [0, 2**32), as numpy takes it"),
-        ("wandb_log", not wandb_log or importlib.util.find_spec("wandb"),
-         "False without wandb: pip install wandb"),
+        ("init_from", init_from not in ("scratch", "auto"), "the weights to fine-tune (a run, "
+         "Hugging Face's), or resume: its run's newest checkpoint"),
+        runtime.wandb_rule(wandb_log),
         *[(key, globals()[key] >= 0, ">= 0") for key in ("weight_decay", "num_pos_examples")],
         *[(key, globals()[key] > 0, "> 0") for key in (
             "lr", "batch_size", "grad_accum_steps", "epochs", "log_interval", "checkpoint_interval",
@@ -199,11 +199,12 @@ if __name__ == "__main__":
     sni_split(data_dir, "test")
     rt = runtime.setup_runtime(device, dtype, seed, fsdp)
     micro_batch = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
+    lock = runtime.claim(out_dir)  # one live run per out_dir, as train.py's
     # the model, and the tokenizer it was pre-trained with, which its checkpoint carries: this
     # run's newest checkpoint, or what init_from names; a new run writes over no other run's files
-    resuming = init_from == "resume"
-    ckpt = checkpoint.start_from(init_from, out_dir, "finetune.py", config, None,
-                                 fixed=("optimizer", "weight_decay"), fsdp=fsdp)
+    how, ckpt = checkpoint.start_from(init_from, out_dir, "finetune.py", config,
+                                      ("optimizer", "weight_decay"), fsdp=fsdp)
+    resuming = how == "resume"
     tokenizer = checkpoint.tokenizer_of(ckpt, init_from)
     with torch.device("meta"):
         model = T5(dataclasses.replace(T5Config(**ckpt["model_config"]), dropout=dropout))
@@ -234,7 +235,8 @@ if __name__ == "__main__":
     run = dict(program="finetune.py", config=config, meta=ckpt["meta"], tokenizer=tokenizer.data,
                wandb_id=ckpt.get("wandb_id") if resuming else None)
     ckpt = None  # free the checkpoint's copy of the weights
-    logger = runtime.Logger(out_dir, rt.master, step if resuming else None)
+    logger = runtime.Logger(out_dir, rt.master, step if resuming else None,
+                            dict(program="finetune.py", config=config))
     if wandb_log:
         run["wandb_id"] = logger.start_wandb(wandb_project, wandb_run_name, config, run["wandb_id"])
 
@@ -320,11 +322,13 @@ if __name__ == "__main__":
             print0(f"step {step:6d}/{max_steps} | epoch {step / steps_per_epoch:.2f} | "
                    f"loss {mean_loss:.4f} | grad norm {grad_norm.item():.3f} | "
                    f"{1000 * dt:.0f} ms/step | eta {(max_steps - step) * dt / 3600:.2f} h")
+            saving = time.time()
             if last_step or step % checkpoint_interval == 0:
                 runtime.set_timeout(rt, runtime.START_TIMEOUT)  # the ranks wait for the slowest
                 checkpoint.save_checkpoint(out_dir, model, opt, step, elapsed, run)
             if signalled:
-                print0(f"stopped by signal at step {step}: continue with --init_from=resume")
+                print0(f"stopped by signal at step {step}, saved in {time.time() - saving:.1f} "
+                       f"s: continue with --init_from=resume")
         if eval_interval and step % eval_interval == 0 and not last_step:  # no evaluation after a
             evaluate()  # signal's save, and the last step's comes after the loop
     signals.release()
@@ -333,3 +337,5 @@ if __name__ == "__main__":
     if rt.ddp:
         torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
         torch.distributed.destroy_process_group()
+    if signals.caught:  # as a process the signal ended
+        raise SystemExit(128 + signals.caught)

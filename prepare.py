@@ -28,7 +28,7 @@ import tiktoken
 import tiktoken_ext.openai_public
 from tqdm import tqdm
 
-from runtime import atomic_write, check_config
+from runtime import atomic_write, check_config, claim
 
 NUM_SENTINELS = 100
 MAX_VOCAB_SIZE = (1 << 16) - NUM_SENTINELS  # ids are stored as uint16
@@ -77,6 +77,11 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000, m
                                 if was.get(k) != v)
             raise SystemExit(f"error: {out_dir} was prepared with other settings ({changed}): use "
                              f"another --out_dir, or delete it to start over")
+        copy = os.path.join(out_dir, meta["tokenizer_file"])  # the tokenizer it was prepared with
+        if os.path.isfile(tokenizer) and read_tokenizer(tokenizer).data != read_tokenizer(copy).data:
+            raise SystemExit(f"error: {tokenizer} is not the tokenizer {out_dir} was prepared "
+                             f"with (it changed since): use another --out_dir, or delete it to "
+                             f"start over")
         if meta["complete"]:
             return load_meta(out_dir)
 
@@ -410,10 +415,12 @@ def prepare_command(settings, data_dir):
              if value is not None]
     return f"python prepare.py {' '.join(flags)} --out_dir={shlex.quote(data_dir)}"
 
-def load_meta(data_dir):
-    """meta.json of a complete prepared folder, with data_dir, source and counts"""
+def load_meta(data_dir, run_meta=None):
+    """meta.json of a complete prepared folder, with data_dir, source and counts; run_meta, that of
+    the data a run was trained on, which a missing folder's line then names"""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        recipe = RECIPES.get(os.path.basename(os.path.normpath(data_dir)))
+        recipe = run_meta and run_meta["settings"] or RECIPES.get(os.path.basename(
+            os.path.normpath(data_dir)))
         recipes = [recipe] if recipe else RECIPES.values()  # the data its name says, or either
         commands = " or ".join(f"`{prepare_command(r, data_dir)}`" for r in recipes)
         raise SystemExit(f"error: {data_dir} holds no prepared data (no meta.json): prepare it with "
@@ -455,4 +462,5 @@ if __name__ == "__main__":
         # meta.json lists every shard and is written again after each: 2 MB shards at the least
         ("shard_tokens", shard_tokens >= 1_000_000, ">= 1,000,000"),
         *[(key, globals()[key] > 0, "> 0") for key in ("num_proc", "max_val_tokens")]])
+    lock = claim(out_dir)  # one prepare.py at a time in a folder
     prepare(**config)

@@ -2,7 +2,9 @@
 outside, per block, as torchtitan does; where the ranks agree; MFU; files written whole; the log."""
 import contextlib
 import datetime
+import fcntl
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -11,6 +13,7 @@ import signal
 import uuid
 import warnings
 from dataclasses import dataclass, field
+from tempfile import TemporaryFile
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,6 +51,28 @@ def atomic_write(path, mode="wb"):
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+def claim(out_dir, lock=True):
+    """out_dir, made, and locked for as long as this process lives (rank 0's): one live run per
+    folder. The kernel releases the lock when the process ends, however: a requeue is never refused.
+    lock=False: only made, and checked to be writable."""
+    if rank():
+        return None
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        file = open(os.path.join(out_dir, ".lock"), "a") if lock else TemporaryFile(dir=out_dir)
+    except OSError as e:
+        raise SystemExit(f"error: can't write in {out_dir} ({e.strerror}): pass an --out_dir you "
+                         f"can write to") from None
+    try:
+        if lock:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"error: {out_dir} is in use by a run still going: let it end, or pass "
+                         f"another --out_dir") from None
+    except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem without locks (docs/cluster.md)
+        print(f"warning: {out_dir} can't be locked ({e.strerror}): run nothing else in it")
+    return file
 
 # the device, its float modes, and MFU
 
@@ -339,11 +364,12 @@ class Signals:
     the same step on every rank, within 3 steps. Each step sums the ranks' flags; stop_now reads
     step N's sum at step N + 2, long copied to the host, which so never waits for the GPU. Before the
     first step is done (it compiles), there is nothing to save: the run ends at once, where
-    torch.compile's first call would swallow a KeyboardInterrupt."""
+    torch.compile's first call would swallow a KeyboardInterrupt. Either way the process exits
+    128 + the signal's number, as one the signal killed: `train.py && export.py` stops there."""
 
     def __init__(self, rt):
         self.rt = rt
-        self.caught = False
+        self.caught = 0  # the signal's number, once one came
         self.step = None  # the last step done; None until the first is
         self.sums = []  # each step's sum of the ranks' flags, copied to the host, and its event
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -357,13 +383,13 @@ class Signals:
         if not self.caught and self.rt.master:
             when = "within 3 steps, on every rank" if self.rt.ddp else "after this step"
             os.write(2, f"{name} after step {self.step}: the run saves and stops {when}\n".encode())
-        self.caught = True
+        self.caught = signum
 
     def stop_now(self, step):
         """after every step: whether to save and stop here, the same on every rank"""
         self.step = step
         if not self.rt.ddp:
-            return self.caught
+            return self.caught > 0
         flag = torch.full((1,), float(self.caught), device=self.rt.device)
         torch.distributed.all_reduce(flag)  # under NCCL the GPU's stream waits for it, not the host
         on_host = flag.to("cpu", non_blocking=True)  # a GPU copies it when it gets there
@@ -385,23 +411,19 @@ class Signals:
 # the log
 
 class Logger:
-    """One JSON object per event in out_dir/log.jsonl (rank 0). A new run creates it before writing
-    anything else, exclusively (O_EXCL, atomic on local disks and NFS v3+): of two runs started
-    together in one out_dir, one goes on and the other stops here. A resume first drops what was
-    logged after its checkpoint, and a last line a kill cut short. With start_wandb, each record's
-    numbers go to wandb too, at its step."""
+    """One JSON object per event in out_dir/log.jsonl (rank 0). A new run's first says who it is
+    (identity: its program and config), so that --init_from=auto knows a start that stopped before
+    its first checkpoint as its own. A resume first drops what was logged after its checkpoint, and
+    a last line a kill cut short. With start_wandb, each record's numbers go to wandb too."""
 
-    def __init__(self, out_dir, master=True, resume_step=None):
+    def __init__(self, out_dir, master=True, resume_step=None, identity=None):
         self.out_dir = out_dir
         self.path = os.path.join(out_dir, "log.jsonl") if master else None
+        self.resume_step = resume_step
         self.wandb_run = None
-        os.makedirs(out_dir, exist_ok=True)
         if master and resume_step is None:
-            try:
-                open(self.path, "x").close()
-            except FileExistsError:
-                raise SystemExit(f"error: {self.path} was just made by another run started in "
-                                 f"{out_dir}: pass another --out_dir") from None
+            with atomic_write(self.path, "w") as f:
+                f.write(json.dumps(dict(identity, step=0)) + "\n")
         if master and resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
                 lines = [line for line in f if line.endswith("\n")]
@@ -410,14 +432,16 @@ class Logger:
                 f.writelines(kept)
 
     def start_wandb(self, project, name, config, run_id=None):
-        """Rank 0's wandb run, its files in out_dir/wandb: run_id's continued (a resume's), or a new
-        one, named name or else out_dir's folder. Returns its id, for the checkpoints to keep."""
+        """Rank 0's wandb run, its files in out_dir/wandb: a new one, named name or else out_dir's
+        folder; or a resume's, run_id's, rewound to the checkpoint's step, from which it logs again
+        (wandb ignores a step below its run's last). Returns its id, for the checkpoints to keep."""
         if self.path is None:
             return run_id
         import wandb  # only when asked for
         name = name or os.path.basename(os.path.abspath(self.out_dir))
+        rewind = dict(resume_from=f"{run_id}?_step={self.resume_step}") if run_id else {}
         self.wandb_run = wandb.init(project=project, name=name, config=config, dir=self.out_dir,
-                                    id=run_id, resume="allow")
+                                    **rewind)
         return self.wandb_run.id
 
     def log(self, record):
@@ -429,3 +453,14 @@ class Logger:
             numbers = {key: value for key, value in record.items()
                        if isinstance(value, (int, float)) and key != "step"}
             self.wandb_run.log(numbers, step=record["step"])
+
+def wandb_rule(wandb_log):
+    """wandb_log's config rule: wandb installed, and logged in unless offline"""
+    if not wandb_log:
+        return "wandb_log", True, ""
+    if not importlib.util.find_spec("wandb"):
+        return "wandb_log", False, "False without wandb: pip install wandb"
+    import wandb
+    offline = os.environ.get("WANDB_MODE") in ("offline", "disabled")
+    return ("wandb_log", offline or wandb.login(prompt=False, verify=False),
+            "False without a wandb login: run `wandb login`, or set WANDB_MODE=offline")

@@ -28,7 +28,7 @@ SYSTEM = ["--device=cpu", "--dtype=float32", "--compile=False"]
 # each script's base command; a case adds its bad arguments, which win over these
 TRAIN = ["train.py", "config/t5_tiny.py", *SYSTEM, "--model=t5-tiny", "--data_dir={data}", "--out_dir={run}",
          "--init_from=resume", "--input_length=64", "--batch_size=8", "--max_steps=2", "--eval_steps=1",
-         "--time_budget_hours=0"]
+         "--time_budget_hours=0", "--warmup_steps=1"]
 FINETUNE = ["finetune.py", *SYSTEM, "--data_dir={sni}", "--out_dir={ftrun}", "--init_from=resume",
             "--max_num_instances_per_task=4", "--batch_size=4", "--max_steps=1", "--max_new_tokens=4"]
 PREPARE = ["prepare.py", "--dataset={corpus}", "--tokenizer=train", "--vocab_size=64", "--out_dir={prepared}",
@@ -46,10 +46,12 @@ BASES = (TRAIN, FINETUNE, PREPARE, BENCH, SAMPLE, EXPORT)
 # prepared folder, {otherdata} a folder of another corpus prepared with a tokenizer of the same vocab, {ckpt} a run to
 # fine-tune, {hfweights} Hugging Face weights, {miniweights} t5-mini's, {bigvocab} weights of a vocab {data}'s
 # tokenizer beside them does not make, {bigvocabrun} a run of such a model, {sni} an SNI clone, {corpus} the text
-# {data} was prepared from, {bad} a file no loader reads, {results} a finished finetune.py evaluation.
+# {data} was prepared from, {bad} a file no loader reads, {results} a finished finetune.py evaluation, {byfile} a
+# folder prepared with the tokenizer file {tokfile}, which changed since.
 # A fix is what the error line says to do: "undo", the script's base command without the mistakes (one run serves
 # every row that undoes to it); args that replace or join the case's; "follow": the --key=value it names; "prepare
-# again": the folder deleted and the command it quotes run; or a function, done to the case's places, then the case
+# again": the folder deleted (if the line says to) and the command it quotes run; or a function, done to the case's
+# places, then the case
 # again. The configurator's own mistakes, the same in every script, are test_train.py's, on a script of its own.
 CASES = [
     # 1. every key is checked where it enters, before any work; each bad value is a line of its own. Values that used
@@ -76,6 +78,10 @@ CASES = [
       "'seed' is -1; it must be in [0, 2**32)", "'peak_flops' is -1.0; it must be >= 0",
       "'out_dir' is ''; it must be a folder's path", "'shard_across_nodes' is True; it must be False without fsdp"],
      "undo"),
+    # a schedule that cannot be what was meant: a "decay" that rises; a run that is all warmup, as t5_base.py's
+    # 10,000 warmup steps would be for a shorter run
+    ("train schedule", [*TRAIN, "--lr=0.01", "--min_lr=0.1", "--warmup_steps=5"],
+     ["'min_lr' is 0.1; it must be <= lr (0.01)", "'warmup_steps' is 5; it must be <= max_steps (2)"], "undo"),
     ("train evaluation longer than val.bin", [*TRAIN, "--eval_steps=100000"],
      "'eval_steps' is 100000; it must be <= ", "undo"),
     ("finetune values", [*FINETUNE, "--eval_batch_size=0", "--max_new_tokens=-1", "--epochs=0", "--lr=0.0",
@@ -87,6 +93,11 @@ CASES = [
       "'dropout' is -0.5", "'max_steps' is -1", "'num_pos_examples' is -1; it must be >= 0",
       "'max_num_instances_per_task' is 0; it must be > 0", "'weight_decay' is -1.0; it must be >= 0",
       "'seed' is 4294967296; it must be in [0, 2**32)", "corpus.jsonl'; it must be a folder's path"], "undo"),
+    # fine-tuning starts from trained weights: auto and scratch name none
+    ("finetune auto", [*FINETUNE, "--init_from=auto"], "'init_from' is 'auto'; it must be the weights to fine-tune",
+     "undo"),
+    ("finetune scratch", [*FINETUNE, "--init_from=scratch"], "'init_from' is 'scratch'; it must be the weights",
+     "undo"),
     ("prepare values", [*PREPARE, "--shard_tokens=1", "--num_proc=0", "--max_train_tokens=-5", "--val_fraction=0.0",
                         "--vocab_size=0", "--max_val_tokens=0", "--out_dir={corpus}"],
      ["'shard_tokens' is 1; it must be >= 1,000,000", "'num_proc' is 0; it must be > 0",
@@ -112,6 +123,12 @@ CASES = [
     # 3. a shard is checked when a run opens it
     ("train shard cut short", [*TRAIN, "--data_dir={short}"], "tokens meta.json says (lost or cut)",
      "prepare again"),
+    # a resume whose data folder is gone names its own data, which its checkpoint records
+    ("train resume whose data is gone", [*TRAIN, "--data_dir={tmp}/gone"],
+     "gone holds no prepared data (no meta.json): prepare it with `python prepare.py --dataset=", "prepare again"),
+    # a folder is prepared with one tokenizer: a tokenizer file changed since is refused, not silently ignored
+    ("prepare a changed tokenizer file", [*PREPARE, "--tokenizer={tokfile}", "--out_dir={byfile}"],
+     "tok.model is not the tokenizer", ["--out_dir={tmp}/new"]),
     # 4. a resume is the run it resumes, of its own program (test_checkpoint.py: each setting, format and data)
     ("train resume, other model, optimizer and weight decay", [*TRAIN, "--model=t5-v1_1-small",
                                                                "--optimizer=adamw", "--weight_decay=0.1"],
@@ -157,7 +174,7 @@ CASES = [
      "(eos_id 5 in meta.json, 1 in the tokenizer)", "undo"),
 ]
 OWN_COPIES = ("run", "ftrun", "prepared", "short", "swapped", "edited", "nospiece")
-SHARED = ("data", "otherdata", "results", "hfweights", "miniweights", "bigvocab", "bigvocabrun")
+SHARED = ("data", "otherdata", "results", "hfweights", "miniweights", "bigvocab", "bigvocabrun", "byfile")
 
 WORDS = ("the of and to in is was for on that with as by at from his her which an were are this be had not river city "
          "music history government science church army school village species family film league season album "
@@ -242,6 +259,11 @@ def places(tmp_path_factory):
         save_pretrained(t5, str(root / name))
         if name != "nospiece":
             shutil.copy(os.path.join(data, "tokenizer.model"), root / name / "spiece.model")
+    # a folder prepared with a tokenizer file, which then changed
+    tokfile = str(root / "tok.model")
+    shutil.copy(os.path.join(data, "tokenizer.model"), tokfile)
+    prepare(dataset=corpus, tokenizer=tokfile, out_dir=str(root / "byfile"))
+    shutil.copy(os.path.join(otherdata, "tokenizer.model"), tokfile)
     write_sni(root / "sni")
     (root / "results").mkdir()
     (root / "results" / "metrics.json").write_text('{"rougeL": 40.7}')
@@ -250,6 +272,7 @@ def places(tmp_path_factory):
     bad.mkdir()
     (bad / "data.csv").write_text("text,label\nhello world,1\n")
     return dict(corpus=corpus, data=data, prepared=data, sni=str(root / "sni"), ckpt=str(root / "pretrained"),
+                tokfile=tokfile, byfile=str(root / "byfile"),
                 bad=str(bad), short=copy_data(data, root / "short", cut_shard), otherdata=otherdata,
                 swapped=copy_data(data, root / "swapped", swap_tokenizer),
                 edited=copy_data(data, root / "edited", edit_eos), root=str(root),
@@ -305,8 +328,9 @@ def run_fix(fix, args, case_places, line):
     """the case's command after the fix its error line names, done; None for "undo": its base command answers"""
     if fix == "undo":
         return None
-    if fix == "prepare again":  # the folder deleted, and prepared by the command the line quotes
-        shutil.rmtree(re.search(r"delete (\S+) and", line)[1])
+    if fix == "prepare again":  # the folder deleted (if the line says so), and prepared by the command it quotes
+        if re.search(r"delete (\S+) and", line):
+            shutil.rmtree(re.search(r"delete (\S+) and", line)[1])
         command = shlex.split(line.split("`")[1])
         assert command[0] == "python" and python(command[1:]).returncode == 0
     elif fix == "follow":
@@ -409,3 +433,40 @@ def test_first_commands_say_what_to_do_and_the_hints_work(fresh_clone, command):
         elif done.returncode == 0:
             again = as_written(command, fresh_clone, 30)
             assert again.returncode == "timeout" or not again.stderr.strip(), again.stderr
+
+
+# a read-only mount, as sitecustomize makes one of the folder $READ_ONLY for every write that Python's open, os.open
+# and os.mkdir make (tests run as root here, which a chmod does not stop)
+READ_ONLY = """
+import builtins, errno, os
+def refusing(call, writes):
+    def refused(path, *args, **kwargs):
+        name = os.path.abspath(os.fsdecode(path)) if isinstance(path, (str, bytes, os.PathLike)) else ""
+        if name.startswith(os.environ["READ_ONLY"]) and writes(*args, **kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return call(path, *args, **kwargs)
+    return refused
+builtins.open = refusing(builtins.open, lambda mode="r", *args, **kwargs: set(mode) & set("wax+"))
+os.open = refusing(os.open, lambda flags, *args, **kwargs: flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+os.mkdir = refusing(os.mkdir, lambda *args, **kwargs: True)
+"""
+
+
+@pytest.mark.parametrize("command, read_only", [
+    ([*TRAIN, "--init_from=scratch", "--out_dir={tmp}/ro/out"], "{tmp}/ro"),  # a new run
+    ([*TRAIN], "{run}"),  # a resume
+    ([*EXPORT, "--out_dir={tmp}/ro/hf"], "{tmp}/ro"),
+    ([*PREPARE, "--out_dir={tmp}/ro/data"], "{tmp}/ro"),
+], ids=["train", "resume", "export", "prepare"])
+def test_a_read_only_out_dir_is_one_line_before_any_work(places, tmp_path, command, read_only):
+    args, case_places, reached = set_up(f"read-only {command[0]} {read_only}", command, places)
+    read_only = read_only.format(**case_places)
+    (tmp_path / "sitecustomize.py").write_text(READ_ONLY)
+    before = snapshot(reached)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(tmp_path), READ_ONLY=read_only)
+    r = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    out_dir = next(arg.split("=", 1)[1] for arg in reversed(args) if arg.startswith("--out_dir="))
+    assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr == (f"error: can't write in {out_dir} (Read-only file system): pass an --out_dir you can write "
+                        f"to\n"), r.stderr
+    assert snapshot(reached) == before

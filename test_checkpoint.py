@@ -1,6 +1,7 @@
 """Tests for checkpoint.py: step folders written whole and found, the newest two kept, a resume's optimizer state and
 RNG, what a new run may write over, the resume check, and the tokenizer a checkpoint carries against data's."""
 import errno
+import fcntl
 import glob
 import os
 import shutil
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import checkpoint as C
+import runtime
 from model import T5, T5Config
 from optim import AdamWScale
 from prepare import T5_SPIECE_SHA256
@@ -61,16 +63,18 @@ def test_one_process_writes_step_folders_whole_and_keeps_the_newest_two(tmp_path
 
 def test_pruning_takes_only_step_folders_and_the_newest_complete_one_is_found(tmp_path):
     # a user's step-4000.bak and a step-abc stay, and neither is taken for a step; a folder a killed save left without
-    # its .metadata is never taken, and the next save removes it
+    # its .metadata is never taken, and the next save removes it; a step folder that holds a file no save writes is a
+    # user's too, and stays (before, it was deleted)
     tiny_run(tmp_path, step=1)
-    for name in ("step-4000.bak", "step-abc", "step-9"):
+    for name in ("step-4000.bak", "step-abc", "step-9", "step-5"):
         (tmp_path / "ckpt" / name).mkdir()
         shutil.copy(tmp_path / "ckpt" / "step-1" / "state.pt", tmp_path / "ckpt" / name)
     (tmp_path / "ckpt" / "step-4000.bak" / ".metadata").write_bytes(b"")
+    (tmp_path / "ckpt" / "step-5" / "notes.txt").write_text("the run as it was on Monday")
     assert C.find_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt" / "step-1")
     for step in (2, 3):
         tiny_run(tmp_path, step=step)
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-2", "step-3", "step-4000.bak", "step-abc"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-2", "step-3", "step-4000.bak", "step-5", "step-abc"]
 
 
 def test_the_newest_step_folder_wins_over_the_layout_before_step_folders(tmp_path):
@@ -141,26 +145,27 @@ def test_resume_refuses_other_settings_and_reports_changes(tmp_path, capsys):
     path = tmp_path / "ckpt" / "step-7"
     changed = dict(config, lr=0.01, max_steps=20, init_from="resume")
     fixed = ("model", "optimizer", "weight_decay")
-    assert C.load_resume(str(tmp_path), "train.py", changed, meta, fixed)["step"] == 7
+    how, ckpt = C.start_from("resume", str(tmp_path), "train.py", changed, fixed)
+    assert how == "resume" and ckpt["step"] == 7
     assert capsys.readouterr().out == (f"resuming from {path} at step 7; changed on resume: lr 0.02 -> 0.01, "
                                        "max_steps 10 -> 20\n")
     with pytest.raises(SystemExit, match="other settings \\(model 't5-tiny' -> 't5-v1_1-small', optimizer "
                                          "'adamwscale' -> 'adamw', weight_decay 0.0 -> 0.1\\)"):
-        C.load_resume(str(tmp_path), "train.py", dict(changed, model="t5-v1_1-small", optimizer="adamw",
-                                                      weight_decay=0.1), meta, fixed)
+        C.start_from("resume", str(tmp_path), "train.py", dict(changed, model="t5-v1_1-small", optimizer="adamw",
+                                                                weight_decay=0.1), fixed)
     other_data = {"settings": {"tokenizer": "train", "vocab_size": 4000}}
     with pytest.raises(SystemExit, match="data.tokenizer 't5' -> 'train', data.vocab_size None -> 4000"):
-        C.load_resume(str(tmp_path), "train.py", changed, other_data, fixed)
+        C.check_data(ckpt, other_data, how)
     with pytest.raises(SystemExit, match="was written by train.py, and finetune.py resumes only its own runs"):
-        C.load_resume(str(tmp_path), "finetune.py", changed, meta, fixed=())
+        C.start_from("resume", str(tmp_path), "finetune.py", changed, fixed=())
     with pytest.raises(SystemExit, match="no checkpoint to resume in .*/nothing: train one first"):
-        C.load_resume(str(tmp_path / "nothing"), "train.py", changed, meta, fixed=())
+        C.start_from("resume", str(tmp_path / "nothing"), "train.py", changed, fixed=())
     older = tmp_path / "older"
     older.mkdir()
     torch.save({"model": {}, "model_config": {}, "meta": None}, older / "ckpt.pt")
     with pytest.raises(SystemExit, match="ckpt.pt is an older run's checkpoint file, which a resume does not "
                                          "continue: start from its weights with --init_from=.*ckpt.pt"):
-        C.load_resume(str(older), "train.py", changed, meta, fixed=())
+        C.start_from("resume", str(older), "train.py", changed, fixed=())
 
 
 def test_a_step_count_saved_as_float64_resumes_exactly(tmp_path):
@@ -238,3 +243,20 @@ def test_the_divergence_line_names_a_fix_that_works(tmp_path):
                                                  "lower lr or grad_clip")
     tiny_run(tmp_path, step=2)
     assert str(C.diverged(str(tmp_path), 3)).endswith("diverged; resume with a lower lr or grad_clip")
+
+
+def test_a_second_claim_of_an_out_dir_is_refused_and_a_filesystem_without_locks_warns(tmp_path, monkeypatch, capsys):
+    # flock's lock belongs to the open file: a second claim fails as another process's would, and the first's
+    # closing frees the folder at once
+    first = runtime.claim(str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match=f"error: {tmp_path}/out is in use by a run still going"):
+        runtime.claim(str(tmp_path / "out"))
+    first.close()
+    runtime.claim(str(tmp_path / "out")).close()
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    runtime.claim(str(tmp_path / "out")).close()
+    assert capsys.readouterr().out == f"warning: {tmp_path}/out can't be locked (No locks available): run nothing " \
+                                      f"else in it\n"

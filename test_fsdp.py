@@ -163,7 +163,7 @@ def test_fsdp_ranks_start_from_whole_weights_as_one_process(runs, data_dir, tmp_
         out_dir = str(tmp_path / name)
         extra = ["--fsdp=True"] if launch else ["--grad_accum_steps=2"]
         r = run([*launch, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_steps=3",
-                 f"--init_from={start}", *extra])
+                 "--warmup_steps=1", f"--init_from={start}", *extra])
         assert r.returncode == 0, r.stderr
         logs[name] = read_log(out_dir)
     assert logs["one"].keys() == {1, 2, 3}
@@ -216,6 +216,25 @@ def test_ranks_that_find_other_checkpoints_stop_together(runs, data_dir, tmp_pat
     results = two_nodes(args, nproc=1, cwds=nodes)
     line = ("error: the ranks found different checkpoints in out (None, out/ckpt/step-8): out_dir must be a folder "
             "every node sees\n")
+    for code, _, stderr in results:
+        assert code != 0 and line in stderr, stderr
+
+
+@pytest.mark.parametrize("script", ["train.py", "finetune.py"])
+def test_ranks_that_find_another_run_to_start_from_stop_together(runs, data_dir, sni_dir, tmp_path, script):  # noqa: F811
+    # --init_from=run, a relative path each node resolves in a folder of its own: node 0 finds the run's newest
+    # checkpoint, node 1 an older one (a save or a prune it has not seen yet). Every rank agrees on the path before
+    # any rank reads it, and ends with the line (before, each loaded its own, and the ranks trained from different
+    # weights)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    shutil.copytree(os.path.join(runs["one"][0], "ckpt"), nodes[0] / "run" / "ckpt")
+    shutil.copytree(os.path.join(runs["one"][0], "ckpt", "step-4"), nodes[1] / "run" / "ckpt" / "step-4")
+    common = [f"--data_dir={sni_dir}", "--device=cpu"] if script == "finetune.py" else [
+        os.path.join(REPO, ARGS[0]), *ARGS[1:], f"--data_dir={data_dir}"]
+    results = two_nodes([*common, "--out_dir=out", "--init_from=run"], nproc=1, cwds=nodes,
+                        script=os.path.join(REPO, script))
+    line = ("error: the ranks found different checkpoints in run (run/ckpt/step-4, run/ckpt/step-8): init_from must "
+            "be a folder every node sees\n")
     for code, _, stderr in results:
         assert code != 0 and line in stderr, stderr
 
@@ -468,14 +487,16 @@ def test_fsdp_generates_through_its_hooks(groups):
         assert fsdp == one[:len(fsdp)]
 
 
-def test_compiled_fsdp_with_accumulation_and_checkpointing_matches_one_process(runs, data_dir, tmp_path):  # noqa: F811
+def test_compiled_fsdp_with_accumulation_and_checkpointing_matches_one_process(data_dir, tmp_path):  # noqa: F811
     """torch.compile per block under FSDP, 2 micro-steps a step and activation checkpointing: the losses of one
     process (2 micro-steps, eager, no checkpointing)"""
-    out_dir = str(tmp_path / "compiled")
-    r = run([*TORCHRUN, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--fsdp=True",
-             "--max_steps=3", "--grad_accum_steps=2", "--activation_checkpointing=True", "--compile=True"])
+    args = [*ARGS, f"--data_dir={data_dir}", "--max_steps=3", "--warmup_steps=3", "--grad_accum_steps=2"]
+    one, out_dir = str(tmp_path / "one"), str(tmp_path / "compiled")
+    assert run(["train.py", *args, f"--out_dir={one}"]).returncode == 0
+    r = run([*TORCHRUN, "train.py", *args, f"--out_dir={out_dir}", "--fsdp=True", "--activation_checkpointing=True",
+             "--compile=True"])
     assert r.returncode == 0, r.stderr
-    one, compiled = read_log(runs["one"][0]), read_log(out_dir)
+    one, compiled = read_log(one), read_log(out_dir)
     assert compiled.keys() == {1, 2, 3}
     for step in compiled:
         assert compiled[step] == pytest.approx(one[step], rel=1e-4), step

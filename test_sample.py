@@ -82,7 +82,7 @@ def bpe_run(tmp_path_factory):
     ranks = write_bpe_ranks(root / "bpe.tiktoken", P.documents(corpus, "train"))
     P.prepare(corpus, tokenizer=ranks, out_dir=str(root / "data"), val_fraction=0.05)
     out = str(root / "run")
-    r = run(["train.py", *TINY, f"--data_dir={root / 'data'}", f"--out_dir={out}", "--max_steps=2",
+    r = run(["train.py", *TINY, f"--data_dir={root / 'data'}", f"--out_dir={out}", "--max_steps=2", "--warmup_steps=1",
              "--eval_interval=1000", "--checkpoint_interval=1000"])
     assert r.returncode == 0, r.stderr
     return out

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,7 +197,7 @@ def test_kill_and_resume_is_exact(data_dir, tmp_path):
     assert read_log(killed) == read_log(straight)  # bit-identical on CPU, every step
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_143(data_dir, tmp_path):
     # evaluating at every step, but not after the signal's save
     out = str(tmp_path / "out")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -211,7 +212,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, stderr
+    assert proc.returncode == 128 + signal.SIGTERM, stderr  # after its save, as the signal would end it
     step = saved_step(out)
     assert step >= 3 and f"stopped by signal at step {step}" in stdout
     assert f"step {step - 1:6d} | val loss" in stdout and f"step {step:6d} | val loss" not in stdout, stdout
@@ -261,7 +262,8 @@ def test_bad_input_under_torchrun_reaches_the_user(data_dir):
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
     out = str(tmp_path / "out")
-    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4"]
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4",
+            "--warmup_steps=1"]
     assert run(["train.py", *args, "--max_steps=4"]).returncode == 0
     good = checkpoint_bytes(out)
     r = run(["train.py", *args, "--max_steps=40", "--init_from=resume", "--lr=1e30", "--min_lr=1e30",
@@ -271,11 +273,11 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
     assert "Traceback" not in r.stderr and checkpoint_bytes(out) == good
 
 
-# train.py run through runpy under a few patches, for what only timing or a fault shows: rank 0's checkpoint writes
+# train.py run by exec under a few patches, for what only timing or a fault shows: rank 0's checkpoint writes
 # made slow, NaN losses injected where the ranks watch for them, and on every rank the lr of each step and the
-# collectives called written to out_dir/rank<r>.json with the step the rank stopped at
+# collectives called written to out_dir/rank<r>.json with the step the rank stopped at and its exit code
 PATCHED_TRAIN = """
-import datetime, json, math, os, runpy, sys, time
+import datetime, json, math, os, sys, time
 sys.path.insert(0, {repo!r})
 import checkpoint, optim, runtime, torch
 runtime.TRAIN_TIMEOUT = {train_timeout}
@@ -311,10 +313,16 @@ optim.make_optimizer, runtime.clip_grad_norm, checkpoint.save_checkpoint = (reco
                                                                            nan_clip_grad_norm, slow_save_checkpoint)
 torch.distributed.all_reduce = counting(torch.distributed.all_reduce)
 torch.distributed.broadcast = counting(torch.distributed.broadcast)
-sys.argv = ["train.py", *sys.argv[1:]]
-script = runpy.run_path(os.path.join({repo!r}, "train.py"), run_name="__main__")
-with open(os.path.join(script["out_dir"], f"rank{{rank}}.json"), "w") as f:
-    json.dump(dict(step=script["step"], lrs=lrs, collectives=collectives[0]), f)
+sys.argv = [os.path.join({repo!r}, "train.py"), *sys.argv[1:]]
+script, code = dict(__name__="__main__", __file__=sys.argv[0]), 0
+try:  # train.py's globals are script's, whether it ends or exits with a code
+    exec(compile(open(sys.argv[0]).read(), sys.argv[0], "exec"), script)
+except SystemExit as e:
+    code = e.code
+    raise
+finally:
+    with open(os.path.join(script["out_dir"], f"rank{{rank}}.json"), "w") as f:
+        json.dump(dict(step=script.get("step"), lrs=lrs, collectives=collectives[0], code=code), f)
 """
 
 
@@ -368,7 +376,7 @@ def test_two_runs_started_together_in_one_out_dir_one_goes_on(data_dir, tmp_path
     # the other stops with one line naming out_dir (before, both trained, into one checkpoint)
     out = str(tmp_path / "out")
     args = [sys.executable, "train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=3",
-            "--eval_interval=1000"]
+            "--eval_interval=1000", "--warmup_steps=1"]
     procs = [subprocess.Popen(args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(proc.communicate(timeout=120)[1], proc.returncode) for proc in procs]
@@ -402,7 +410,7 @@ def test_nan_between_log_steps_stops_before_the_next_checkpoint(data_dir, tmp_pa
     # checkpoint step, still sees it, and the good checkpoint of step 4 stays
     out = str(tmp_path / "out")
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000", "--checkpoint_interval=4",
-            "--log_interval=4"]
+            "--log_interval=4", "--warmup_steps=1"]
     assert run(["train.py", *args, "--max_steps=4"]).returncode == 0
     good = checkpoint_bytes(out)
     r = run_patched(tmp_path, [*args, "--max_steps=12", "--init_from=resume"], nan_calls=[2])  # step 4 + 2
@@ -484,7 +492,8 @@ def test_configurator_rejects_unknown_key_in_file(config_script, tmp_path):
 
 
 def test_resume_says_what_changed(data_dir, tmp_path):
-    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2", "--eval_interval=1000"]
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2", "--eval_interval=1000",
+            "--warmup_steps=1"]
     assert run(["train.py", *args, "--lr=0.01"]).returncode == 0
     r = run(["train.py", *args, "--init_from=resume", "--lr=0.02", "--log_interval=5", "--max_steps=3"])
     assert r.returncode == 0, r.stderr
@@ -495,7 +504,7 @@ def test_resume_says_what_changed(data_dir, tmp_path):
 def test_init_from_a_run_starts_a_new_run_from_its_weights(data_dir, learned, tmp_path):
     first = learned[0]
     r = run(["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'second'}", f"--init_from={first}",
-             "--max_steps=2", "--eval_interval=1000"])
+             "--max_steps=2", "--eval_interval=1000", "--warmup_steps=1"])
     assert r.returncode == 0 and "a new run from the weights of" in r.stdout, r.stderr
     # it starts where the first run ended, far below a fresh model's loss
     assert read_log(str(tmp_path / "second"))[1] < read_log(first)[1] - 1.0
@@ -542,6 +551,7 @@ def test_sigterm_between_log_steps_stops_within_steps_and_resumes_exactly(data_d
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = (stdout + more for more in proc.communicate(timeout=120))
     step = saved_step(str(stopped))
+    assert nproc == 2 or proc.returncode == 128 + signal.SIGTERM  # torchrun's exit code is its own
     signalled_after = int(stderr.split("SIGTERM after step ")[1].split(":")[0])
     assert 1 < signalled_after + 1 <= step <= signalled_after + (1 if nproc == 1 else 3), stderr
     assert f"stopped by signal at step {step}" in stdout + stderr, stderr
@@ -555,10 +565,10 @@ def test_sigterm_between_log_steps_stops_within_steps_and_resumes_exactly(data_d
 
 def test_wandb_logs_what_log_jsonl_logs_and_a_resume_continues_its_run(data_dir, tmp_path):
     """Offline, read back from wandb's own files: each run holds log.jsonl's numbers at their steps (the train and
-    evaluation records of a step together); a resume goes on with the wandb run its checkpoint saved; a new run from
-    that run's weights is a wandb run of its own"""
+    evaluation records of a step together); a resume goes on with the wandb run its checkpoint saved, rewound to its
+    step; a new run from that run's weights is a wandb run of its own"""
     out, new = str(tmp_path / "run"), str(tmp_path / "new")
-    args = [*TINY, f"--data_dir={data_dir}", "--wandb_log=True"]
+    args = [*TINY, f"--data_dir={data_dir}", "--wandb_log=True", "--warmup_steps=1"]
     offline = {"WANDB_MODE": "offline"}
     r = run(["train.py", *args, f"--out_dir={out}", "--max_steps=3"], offline)
     assert r.returncode == 0, r.stderr
@@ -573,6 +583,8 @@ def test_wandb_logs_what_log_jsonl_logs_and_a_resume_continues_its_run(data_dir,
     assert "val_loss" in logged[3] and "val_loss" in logged[5]
     (first, first_history), (resumed, resumed_history) = wandb_runs(out)
     assert first.run_id == resumed.run_id == first_id == saved_state(out)["wandb_id"]
+    # rewound to the checkpoint's step, from which the resume logs again: wandb drops a step below its run's last
+    assert (resumed.branch_point.run, resumed.branch_point.value) == (first_id, 3)
     assert (first.display_name, first.project) == ("run", "nanoT5")  # out_dir's folder, the default project
     assert first_history == {step: logged[step] for step in (1, 2, 3)}
     assert resumed_history == {step: logged[step] for step in (4, 5)}
@@ -586,10 +598,163 @@ def test_wandb_logs_what_log_jsonl_logs_and_a_resume_continues_its_run(data_dir,
 
 
 @pytest.mark.parametrize("script", ["train.py", "finetune.py"])
-def test_wandb_log_without_wandb_is_one_line(script, tmp_path):
+def test_wandb_log_without_wandb_or_a_login_is_one_line(script, tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None  # as if not installed\n")
     out = tmp_path / "out"
     r = run([script, "--wandb_log=True", f"--out_dir={out}"], {"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 1 and r.stderr == ("error: config key 'wandb_log' is True; it must be False without wandb: "
                                               "pip install wandb\n"), r.stderr
     assert not out.exists()
+    # installed, online, with no API key in the environment or ~/.netrc: before any work, not after the model is built
+    env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
+    r = subprocess.run([sys.executable, script, "--wandb_log=True", f"--out_dir={out}"], cwd=REPO, text=True,
+                       capture_output=True, env=dict(env, HOME=str(tmp_path)), stdin=subprocess.DEVNULL, timeout=120)
+    assert r.returncode == 1 and r.stderr == ("error: config key 'wandb_log' is True; it must be False without a "
+                                              "wandb login: run `wandb login`, or set WANDB_MODE=offline\n"), r.stderr
+    assert not out.exists()
+
+
+def test_a_finished_run_stays_finished(data_dir, tmp_path):
+    # a time-budgeted run, then the same --init_from=auto command twice, as a scheduler reruns a finished job: each
+    # says the run is finished and exits 0, and every file stays as it was (before, each trained one step more and
+    # pruned the run's final checkpoint); --init_from=resume is one line that names the key to raise
+    out = str(tmp_path / "out")
+    args = ["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=1000000",
+            "--time_budget_hours=0.0003", "--eval_interval=1000000", "--checkpoint_interval=1000000", "--init_from=auto"]
+    assert run(args).returncode == 0
+    step, files, log = saved_step(out), checkpoint_bytes(out), open(os.path.join(out, "log.jsonl")).read()
+    for _ in range(2):
+        r = run(args)
+        assert r.returncode == 0 and f"{out} is at step {step} of time_budget_hours=0.0003: the run is finished\n" \
+            in r.stdout, r.stdout + r.stderr
+        assert checkpoint_bytes(out) == files and open(os.path.join(out, "log.jsonl")).read() == log
+    r = run([*args, "--init_from=resume"])
+    assert r.returncode == 1 and r.stderr == (f"error: {out} is at step {step} of time_budget_hours=0.0003: raise "
+                                              f"time_budget_hours to train it further\n"), r.stderr
+    assert checkpoint_bytes(out) == files
+
+
+def test_auto_starts_again_a_run_stopped_before_its_first_checkpoint(data_dir, tmp_path):
+    # killed before its first checkpoint, a run leaves its log, and a first save killed after its state.pt a step
+    # folder without .metadata: the same --init_from=auto command (here with a nearer max_steps) starts the run again,
+    # drops that log with a note, logs an uninterrupted run's losses, and its first save takes the cut folder away
+    # (before, every requeue was refused). Another run's folder is still refused.
+    args = [*TINY, f"--data_dir={data_dir}", "--checkpoint_interval=1000", "--eval_interval=1000", "--init_from=auto"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert run(["train.py", *args, "--max_steps=6", f"--out_dir={straight}"]).returncode == 0
+    proc = start_until_step(["train.py", *args, "--max_steps=1000", f"--out_dir={killed}"], str(killed), 2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (killed / "ckpt" / "step-1000").mkdir(parents=True)
+    shutil.copy(straight / "ckpt" / "step-6" / "state.pt", killed / "ckpt" / "step-1000")
+    r = run(["train.py", *args, "--max_steps=6", "--model=t5-tiny", f"--out_dir={killed}"])
+    assert r.returncode == 1 and r.stderr == f"error: {killed}/ckpt exists and this run would replace it: pass " \
+                                             f"another --out_dir\n", r.stderr
+    r = run(["train.py", *args, "--max_steps=6", f"--out_dir={killed}"])
+    assert r.returncode == 0 and "--init_from=auto: scratch\n" in r.stdout, r.stderr
+    assert f"{killed}/log.jsonl: dropped the" in r.stdout and "lines of a start stopped before its first" in r.stdout
+    assert read_log(str(killed)) == read_log(str(straight))
+    assert os.listdir(killed / "ckpt") == ["step-6"]
+
+
+def test_one_live_run_per_out_dir(data_dir, tmp_path):
+    # two resumes of one run, the second started once the first has logged a step: the second stops at once, before
+    # it reads anything, with one line naming out_dir (before, both trained, into the same step folders). SIGKILLed,
+    # the first holds no lock any more, and the same command resumes at once.
+    out = str(tmp_path / "out")
+    args = ["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=1000",
+            "--checkpoint_interval=2"]
+    assert run([*args, "--max_steps=2", "--warmup_steps=1"]).returncode == 0
+    resume = [*args, "--max_steps=100000", "--init_from=resume"]
+    first = start_until_step(resume, out, 3)
+    r = run(resume)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr == (
+        f"error: {out} is in use by a run still going: let it end, or pass another --out_dir\n"), r.stderr
+    assert first.poll() is None
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    r = run([*resume, f"--max_steps={saved_step(out) + 1}"])
+    assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr
+
+
+def test_time_budget_moves_the_lr_every_step_and_stops_within_steps_of_its_end(data_dir, tmp_path):
+    # a budget of 2.9 s, logged every 100 steps: from the second step on, each step of the warmup (half the schedule)
+    # takes a higher lr than the one before (before, the lr moved at sync steps only: here, at none of them), and the
+    # run stops within a few steps of the budget's end, where no interval falls (before: at the next log step)
+    out = str(tmp_path / "out")
+    r = run_patched(tmp_path, [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=100000",
+                               "--warmup_steps=50000", "--time_budget_hours=0.0008", "--log_interval=100",
+                               "--checkpoint_interval=100000", "--eval_interval=100000"])
+    assert r.returncode == 0, r.stderr
+    [record] = rank_records(out, 1)
+    lrs = record["lrs"]
+    peak = lrs.index(max(lrs))
+    assert len(lrs) == record["step"] and peak > 5
+    assert all(a < b for a, b in zip(lrs[1:peak], lrs[2:peak + 1])), lrs
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:])) and lrs[-1] < 1e-3, lrs
+    with open(os.path.join(out, "log.jsonl")) as f:
+        last = [record for record in map(json.loads, f) if "loss" in record][-1]
+    assert last["step"] == record["step"] and 2.88 <= last["elapsed"] < 2.88 + 1.0, last
+
+
+STAND_INS = {  # srun, scancel and scontrol as this machine runs them: the step, its signal, the requeue
+    "srun": """#!/bin/bash
+# the step, here: torchrun as python -m torch.distributed.run, on 2 CPU ranks, train.py as $TRAIN, with $EXTRA's
+echo $$ > "$STAND_INS/step.pid"
+args=()
+for arg in "$@"; do
+    case "$arg" in
+        torchrun) args+=("$PYTHON" -m torch.distributed.run) ;;
+        --nproc_per_node=*) args+=(--nproc_per_node=2) ;;
+        train.py) args+=("$TRAIN") ;;
+        *) args+=("$arg") ;;
+    esac
+done
+exec "${args[@]}" $EXTRA
+""",
+    "scancel": """#!/bin/bash
+[ "$1 $2" = "--signal=TERM $SLURM_JOB_ID" ] && kill -TERM "$(cat "$STAND_INS/step.pid")"
+""",
+    "scontrol": """#!/bin/bash
+echo "$@" >> "$STAND_INS/scontrol.log"
+""",
+}
+
+
+def test_the_slurm_script_saves_longer_than_torchruns_default_wait_and_requeues(data_dir, tmp_path):
+    # docs/cluster.md's script, checked by bash -n and then run by bash with stand-ins for srun, scancel and
+    # scontrol, on 2 CPU ranks of a tiny run whose rank 0 takes 35 s to save, past torchrun's default 30 s before it
+    # kills its ranks. USR1 to the shell, as at the time limit: the trap signals the step, each rank saves and exits
+    # 143, the checkpoint is whole, and the job is requeued.
+    with open(os.path.join(REPO, "docs", "cluster.md")) as f:
+        script = f.read().split("```bash\n")[1].split("```")[0]
+    (tmp_path / "job.sh").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in STAND_INS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "patched_train.py").write_text(PATCHED_TRAIN.format(
+        repo=REPO, save_s=35.0, nan_calls="set()", train_timeout="runtime.TRAIN_TIMEOUT"))
+    out = str(tmp_path / "out")
+    extra = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=100000", "--log_interval=1000000",
+             "--checkpoint_interval=1000000", "--eval_interval=1000000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42",
+               STAND_INS=str(bin_dir), PYTHON=sys.executable, TRAIN=str(tmp_path / "patched_train.py"),
+               EXTRA=" ".join(extra))
+    job = subprocess.Popen(["bash", str(tmp_path / "job.sh")], cwd=REPO, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout = ""
+    while "step      1 " not in stdout and job.poll() is None:
+        stdout += job.stdout.readline()
+    time.sleep(1)
+    job.send_signal(signal.SIGUSR1)
+    more, stderr = job.communicate(timeout=180)
+    stdout += more
+    step = saved_step(out)
+    assert os.path.isfile(os.path.join(out, "ckpt", f"step-{step}", ".metadata"))
+    saved_s = float(stdout.split(f"stopped by signal at step {step}, saved in ")[1].split(" s")[0])
+    assert saved_s > 35.0, stdout
+    assert [record["code"] for record in rank_records(out, 2)] == [143, 143], stderr
+    assert open(bin_dir / "scontrol.log").read() == "requeue 42\n"

@@ -5,7 +5,7 @@ Pre-trains T5 v1.1 with span corruption: nanoT5's recipe as one flat loop, read 
     python train.py config/t5_tiny.py                                    # the CPU demo
 """
 import dataclasses
-import importlib.util
+import math
 import os
 import time
 
@@ -73,8 +73,9 @@ runtime.check_config(config, [
     ("warmup_start_factor", 0 <= warmup_start_factor <= 1, "in [0, 1]"),
     ("seed", 0 <= seed < 2**32, "in [0, 2**32), as numpy takes it"),
     ("shard_across_nodes", fsdp or not shard_across_nodes, "False without fsdp=True"),
-    ("wandb_log", not wandb_log or importlib.util.find_spec("wandb"),
-     "False without wandb: pip install wandb"),
+    ("min_lr", min_lr <= lr, f"<= lr ({lr}): the cosine decays to it"),
+    ("warmup_steps", warmup_steps <= max_steps, f"<= max_steps ({max_steps}), the schedule's length"),
+    runtime.wandb_rule(wandb_log),
     *[(key, globals()[key] >= 0, ">= 0") for key in ("grad_clip", "time_budget_hours", "min_lr",
                                                      "warmup_steps", "weight_decay", "peak_flops")],
     *[(key, globals()[key] > 0, "> 0") for key in ("lr", "batch_size", "grad_accum_steps",
@@ -82,16 +83,31 @@ runtime.check_config(config, [
 ])
 # -------------------------------------------------------------------------------------------------
 
-# start-up: the device and the ranks, the data, and what the run starts from, before any work
+# start-up, before any work: the device and the ranks; out_dir, locked; what the run starts from,
+# found before the data, so that a resume whose data folder is gone names its own; the data
 rt = runtime.setup_runtime(device, dtype, seed, fsdp)
 micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # refused if it won't split
+lock = runtime.claim(out_dir)  # one live run per out_dir: held by rank 0 until it ends
+# its own newest checkpoint (resume), a run's or Hugging Face's weights (of the data's tokenizer),
+# or nothing (scratch); auto: resume if there is a checkpoint, else scratch
+how, ckpt = checkpoint.start_from(init_from, out_dir, "train.py", config,
+                                  ("model", "dropout", "optimizer", "weight_decay"), model, fsdp)
+budget_s = time_budget_hours * 3600
+if how == "resume" and (ckpt["step"] >= max_steps or 0 < budget_s <= ckpt["elapsed"]):
+    key = "max_steps" if ckpt["step"] >= max_steps else "time_budget_hours"
+    done = f"{out_dir} is at step {ckpt['step']} of {key}={config[key]}"
+    if init_from == "auto":  # finished: a requeue ends here, and changes no file
+        print0(f"{done}: the run is finished")
+        raise SystemExit(0)
+    raise SystemExit(f"error: {done}: raise {key} to train it further")
 demo_data = os.path.basename(os.path.normpath(data_dir)) == "pydoc"  # offline: made on first use
 if demo_data and rt.master and not os.path.exists(os.path.join(data_dir, "meta.json")):
     prepare(**RECIPES["pydoc"], out_dir=data_dir)
 if rt.ddp:
     torch.distributed.barrier()
-meta = load_meta(data_dir)
+meta = load_meta(data_dir, ckpt and ckpt["meta"])
 tok = load_tokenizer(meta)
+checkpoint.check_data(ckpt, meta, how)
 # span-corrupted batches: step k's global batch is a function of (seed, k); a rank builds its slice
 span_corruption = (batch_size, input_length, noise_density, mean_noise_span_length, seed)
 train_data = SpanCorruptionBatches(data_dir, "train", *span_corruption)
@@ -99,14 +115,6 @@ val_data = SpanCorruptionBatches(data_dir, "val", *span_corruption)
 most = max(1, val_data.num_windows // batch_size)  # an evaluation reads each val window once
 runtime.check_config(config, [("eval_steps", eval_steps <= most, f"<= {most}: {data_dir}/val.bin "
                                f"holds {val_data.num_windows:,} windows of this run")])
-# what the run starts from: its own newest checkpoint (resume), a run's or Hugging Face's weights
-# (of the data's tokenizer), or nothing (scratch); a new run writes over no other run's files
-if init_from == "auto":  # one command that starts a run and, run again (requeued), continues it
-    init_from = "resume" if checkpoint.newest_checkpoint(out_dir) else "scratch"
-    print0(f"--init_from=auto: {init_from}")
-ckpt = checkpoint.start_from(init_from, out_dir, "train.py", config, meta,
-                             fixed=("model", "dropout", "optimizer", "weight_decay"), preset=model,
-                             fsdp=fsdp)
 
 # the model: T5(config) on the meta device, its shapes with no memory yet; placed on the device
 # (sharded, compiled, in DDP), it gets its weights: read from the checkpoint, or drawn fresh
@@ -124,11 +132,9 @@ else:
     runtime.draw_weights(t5)  # as one process on that device draws them, on any number of ranks
 print0(f"{t5.num_params() / 1e6:.1f}M parameters")
 opt = make_optimizer(optimizer, param_groups(t5, weight_decay), lr, compile)
-step, elapsed = checkpoint.restore_state(ckpt, t5, opt) if init_from == "resume" else (0, 0.0)
-wandb_id = ckpt.get("wandb_id") if init_from == "resume" else None  # its wandb run goes on
+step, elapsed = checkpoint.restore_state(ckpt, t5, opt) if how == "resume" else (0, 0.0)
+wandb_id = ckpt.get("wandb_id") if how == "resume" else None  # its wandb run goes on
 ckpt = None  # free the checkpoint's copy of the weights
-if step >= max_steps:  # a resume with nothing left to train
-    raise SystemExit(f"error: {out_dir} is at step {step} of max_steps={max_steps}: raise it")
 
 train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank, rt.world_size, rt.device)
 tokens_per_step = batch_size * (input_length + train_data.targets_length)
@@ -139,7 +145,8 @@ print0(f"span accuracy baseline {span_baseline:.4f}: always writing the commones
 # two held-out examples every evaluation shows filled in: the first two windows of val.bin
 demo_inputs, demo_labels = (t[:2] for t in val_data.get(0, device=rt.device))
 demo_tokens = max(tok.shown_length(labels) for labels in demo_labels.tolist())  # what they need
-logger = runtime.Logger(out_dir, rt.master, step if init_from == "resume" else None)
+logger = runtime.Logger(out_dir, rt.master, step if how == "resume" else None,
+                        dict(program="train.py", config=config))
 if wandb_log:
     wandb_id = logger.start_wandb(wandb_project, wandb_run_name, config, wandb_id)
 run = dict(program="train.py", config=config, meta=meta, tokenizer=tok.data,  # for checkpoints
@@ -173,17 +180,22 @@ def evaluate():
 # all-reduce, on the mean loss, any NaN or inf since the last, any signal, and rank 0's clock. In
 # between nothing waits for the GPU, but for a signal's flag: summed at every step, read two on
 signals = runtime.Signals(rt)  # Ctrl-C or SIGTERM: every rank saves and stops at the same step
-budget_s = time_budget_hours * 3600
 start_step = last_sync_step = step
 last_elapsed = elapsed
+step_s = 0.0  # the seconds of a step: the mean since the sync step before, agreed
+# the schedule's position, in steps, and how far a step moves it: 1 without a time budget; under
+# one, so far that the schedule ends with the budget at the pace the ranks last agreed on. Each
+# budget_step, a sync step, checks the pace: the second step (the first's time holds the compile),
+# then halfway to where the budget runs out, down to the last step
+position = elapsed / budget_s * max_steps if budget_s else step
+rate = 0.0 if budget_s else 1.0
+budget_step = start_step + 2 if budget_s else 0
 nonfinite = 0  # the steps since the last sync step whose loss or grad norm was NaN or inf
 clock = time.time()  # rank 0's, from which training seconds are counted
 last_step = False
 while not last_step:
-    # where the schedule is, in steps: this step's number; under a time budget, the share of the
-    # budget spent by the last sync step, times max_steps (the same on every rank)
-    schedule_step = elapsed / budget_s * max_steps if budget_s else step + 1
-    lr_now = get_lr(schedule_step, max_steps, lr, warmup_steps, warmup_start_factor, min_lr)
+    position = min(position + rate, max_steps)
+    lr_now = get_lr(position, max_steps, lr, warmup_steps, warmup_start_factor, min_lr)
     for group in opt.param_groups:
         group["lr"].fill_(lr_now)  # in place: a compiled optimizer step does not compile again
     # forward and backward over this rank's micro-batches, the gradients summed; clip; update
@@ -204,24 +216,28 @@ while not last_step:
     # at a sync step, the ranks agree; then log, save, evaluate
     last_step = step == max_steps or signals.stop_now(step)
     intervals = (log_interval, checkpoint_interval, eval_interval)
-    if step == start_step + 1 or last_step or any(step % interval == 0 for interval in intervals):
+    if (step in (start_step + 1, budget_step) or last_step
+            or any(step % interval == 0 for interval in intervals)):
         elapsed, clock = elapsed + time.time() - clock, time.time()  # rank 0's is agreed on
         mean_loss, nonfinite, signalled, elapsed = runtime.agree(
             rt, train_loss / rt.world_size, nonfinite, signals.caught, elapsed * rt.master)
         if nonfinite:  # before a save: the last checkpoint is good
             raise checkpoint.diverged(out_dir, step)
         last_step = last_step or signalled > 0 or 0 < budget_s <= elapsed
-        dt = (elapsed - last_elapsed) / (step - last_sync_step)
+        step_s = (elapsed - last_elapsed) / (step - last_sync_step)
         last_sync_step, last_elapsed = step, elapsed
-        mfu_now = runtime.mfu(step_flops, dt, rt.world_size, peak)
+        if budget_s and step > start_step + 1:
+            steps_left = max(1, math.ceil((budget_s - elapsed) / step_s))
+            budget_step, rate = step + math.ceil(steps_left / 2), (max_steps - position) / steps_left
+        mfu_now = runtime.mfu(step_flops, step_s, rt.world_size, peak)
         logger.log({"step": step, "loss": mean_loss, "lr": lr_now, "grad_norm": grad_norm.item(),
-                    "ms_per_step": 1000 * dt, "tokens_per_s": tokens_per_step / dt, "mfu": mfu_now,
-                    "elapsed": elapsed})
-        eta_s = budget_s - elapsed if budget_s else (max_steps - step) * dt
+                    "ms_per_step": 1000 * step_s, "tokens_per_s": tokens_per_step / step_s,
+                    "mfu": mfu_now, "elapsed": elapsed})
+        eta_s = budget_s - elapsed if budget_s else (max_steps - step) * step_s
         mfu_text = f" | mfu {100 * mfu_now:.1f}%" if mfu_now else ""
         print0(f"step {step:6d} | loss {mean_loss:.4f} | lr {lr_now:.2e} | grad norm "
-               f"{grad_norm:.3f} | {1000 * dt:.0f} ms/step | {tokens_per_step / dt:,.0f} tok/s"
-               f"{mfu_text} | eta {eta_s / 3600:.2f} h")
+               f"{grad_norm:.3f} | {1000 * step_s:.0f} ms/step | {tokens_per_step / step_s:,.0f} "
+               f"tok/s{mfu_text} | eta {eta_s / 3600:.2f} h")
         paused = time.time()  # a save and an evaluation are not training time
         if step % checkpoint_interval == 0 or last_step:
             runtime.set_timeout(rt, runtime.START_TIMEOUT)  # the ranks wait for the slowest write
@@ -234,11 +250,14 @@ while not last_step:
                    f"{span_baseline:.4f})")
             for ex in metrics["examples"]:
                 print0("\n".join(f"    {key}: {ex[key]}" for key in ("input", "model", "truth")))
-        if signalled:
-            print0(f"stopped by signal at step {step}: continue with --init_from=resume")
+        if signalled:  # the save's time: what the launcher must wait for (docs/cluster.md)
+            print0(f"stopped by signal at step {step}, saved in {time.time() - paused:.1f} s: "
+                   f"continue with --init_from=resume")
         clock += time.time() - paused
 signals.release()
 train_batches.close()
 print0(f"{step} steps in {elapsed / 3600:.2f} h; checkpoint in {out_dir}")
 if rt.ddp:
     torch.distributed.destroy_process_group()
+if signals.caught:  # as a process the signal ended: `train.py && export.py` stops here
+    raise SystemExit(128 + signals.caught)
