@@ -1,10 +1,11 @@
 """
-Times the training step train.py runs (forward, backward, clip, optimizer step) and, in the same
-process on the same weights, what one would otherwise use.
-    python bench.py                               # ms/step, tokens/s, MFU, peak memory
-    python bench.py --profile=True                # the step by phase, its kernels, the attention's
-    python bench.py --compare=hf                  # the same step in transformers' T5
-    python bench.py --compare=null                # ours against ours: the noise floor of a ratio
+Times the training step train.py runs (forward, backward, clip, optimizer
+step) and, in the same process on the same weights, what one would
+otherwise use.
+    python bench.py                 # ms/step, tokens/s, MFU, peak memory
+    python bench.py --profile=True  # the step by phase, kernels, attention
+    python bench.py --compare=hf    # the same step in transformers' T5
+    python bench.py --compare=null  # ours against ours: a ratio's noise
 """
 import copy
 import os
@@ -15,32 +16,33 @@ import time
 
 import torch
 
-from checkpoint import save_pretrained
 from data import compute_input_and_target_lengths, micro_batch_size
+from distributed import clip_grad_norm
+from hf import save_pretrained
 from model import PRESETS, T5, T5Config
 from optim import make_optimizer, param_groups
-from runtime import check_config, clip_grad_norm, flops_per_step, mfu, print0, setup_runtime
+from runtime import flops_per_step, mfu, print0, setup_runtime
 
-# -------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # default config
-compare = ""  # 'hf': against transformers; 'null': ours twice; '': ours alone
-profile = False  # ours alone: after the timing, one step by phase, and its kernels
+compare = ""  # 'hf': against transformers; 'null': ours twice; '': ours
+profile = False  # ours alone: then one step by phase, and its kernels
 # model and shapes
-model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), t5-v1_1-small elsewhere
-batch_size = 0  # examples per optimizer step; 0 -> 128 on CUDA (the paper's), else 4
+model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), else small
+batch_size = 0  # examples per step; 0 -> 128 on CUDA (the paper's), else 4
 grad_accum_steps = 1
-input_length = 512  # and T5's 15% noise in spans of 3: 114 target tokens
+input_length = 512  # and T5's 15% noise in spans of 3: 114 targets
 # timing
-burn_in = 3  # untimed calls first (compilation, warm-up); the first is timed apart, as "1st call"
+burn_in = 3  # untimed calls first; the first (it compiles) timed apart
 steps = 10  # timed calls (per side when two are compared)
-peak_flops = 0.0  # dense peak FLOP/s for MFU; 0 -> runtime.PEAK_FLOPS for known GPUs
+peak_flops = 0.0  # dense peak FLOP/s for MFU; 0 -> runtime.PEAK_FLOPS
 # system
 device = "auto"
 dtype = "bfloat16"
 compile = True
 threads = 0  # CPU threads for torch; 0 -> all cores
 seed = 1337
-# -------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 
 def timed(fn):
     t0 = time.perf_counter()
@@ -50,15 +52,16 @@ def timed(fn):
     return time.perf_counter() - t0
 
 def burn(fn, burn_in):
-    """the untimed calls; returns the seconds of the first (it compiles), or None"""
+    """the untimed calls; returns the seconds of the first, or None"""
     first = timed(fn) if burn_in else None
     for _ in range(burn_in - 1):
         fn()
     return first
 
 def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
-    """Median seconds per call of two (name, fn) sides, timed A B B A A B ..., so that drift lands
-    on both alike; prints each as work per second, the ratio, and (compiled) the first calls."""
+    """Median seconds per call of two (name, fn) sides, timed A B B A A B
+    ..., so that drift lands on both alike; prints each as work per
+    second, the ratio, and (compiled) the first calls."""
     firsts = [burn(fn, burn_in) for _, fn in (a, b)]
     times = ([], [])
     for i in range(steps):
@@ -66,59 +69,69 @@ def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
             times[side].append(timed((a, b)[side][1]))
     medians = [statistics.median(t) for t in times]
     for (name, fn), t, first in zip((a, b), medians, firsts):
-        first_text = f" | first call (compile): {first:.2f} s" if compiled and first else ""
-        print0(f"{name:>34s}: {1000 * t:10.1f} ms {work / t:12,.0f} {unit}/s{first_text}")
+        first_text = (f" | first call (compile): {first:.2f} s"
+                      if compiled and first else "")
+        print0(f"{name:>34s}: {1000 * t:10.1f} ms {work / t:12,.0f} "
+               f"{unit}/s{first_text}")
     ratio = medians[1] / medians[0]
-    print0(f"{a[0]} / {b[0]}: {ratio:.2f}x the throughput (medians of {steps} alternating calls)")
+    print0(f"{a[0]} / {b[0]}: {ratio:.2f}x the throughput (medians of "
+           f"{steps} alternating calls)")
     return medians
 
 def build_model(rt, model_name, vocab_size, seed=1337):
     torch.manual_seed(seed)
-    return T5(T5Config.from_preset(model_name, vocab_size=vocab_size)).to(rt.device)
+    config = T5Config.from_preset(model_name, vocab_size=vocab_size)
+    return T5(config).to(rt.device)
 
 def twin(t5, rt, compare):
-    """the other side, with exactly our weights: ours again (null), or transformers' T5"""
+    """the other side, with our weights: ours again, or transformers' T5"""
     if compare == "null":
         return copy.deepcopy(t5)
     import transformers
-    transformers.logging.set_verbosity_error()  # its loading bar and notes would drown the timings
+    # its loading bar and notes would drown the timings
+    transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:
         save_pretrained(t5, folder)
-        hf = transformers.T5ForConditionalGeneration.from_pretrained(folder).to(rt.device)
-    return TransformersAdapter(hf)
+        T5ForConditionalGeneration = transformers.T5ForConditionalGeneration
+        hf = T5ForConditionalGeneration.from_pretrained(folder)
+    return TransformersAdapter(hf.to(rt.device))
 
 class TransformersAdapter(torch.nn.Module):
-    """transformers' T5 behind our forward's signature, so that training_step runs it unchanged"""
+    """transformers' T5 behind our forward's signature, for training_step"""
     def __init__(self, hf):
         super().__init__()
         self.hf = hf
 
     def forward(self, input_ids, labels=None, attention_mask=None):
-        out = self.hf(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
+        out = self.hf(input_ids=input_ids, labels=labels,
+                      attention_mask=attention_mask)
         return out.logits, out.loss
 
 def targets_length(input_length):
     return compute_input_and_target_lengths(input_length, 0.15, 3.0)[1]
 
-def batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, seed=1337):
-    """next_batch() -> a step's micro-batches: one fixed random batch, so that the step loads no
-    data (train.py's Prefetcher builds the next step's in a thread)"""
+def batches(rt, batch_size, grad_accum_steps, input_length, vocab_size,
+            seed=1337):
+    """next_batch() -> a step's micro-batches: one fixed random batch, so
+    that the step loads no data (train.py builds the next in a thread)"""
     micro = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
     generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab_size, (micro, input_length), generator=generator)
-    labels = torch.randint(0, vocab_size, (micro, targets_length(input_length)),
-                           generator=generator)
-    micro_batch = dict(input_ids=input_ids.to(rt.device), labels=labels.to(rt.device))
+    shapes = ((micro, input_length), (micro, targets_length(input_length)))
+    input_ids, labels = (torch.randint(0, vocab_size, shape,
+                                       generator=generator).to(rt.device)
+                         for shape in shapes)
+    micro_batch = dict(input_ids=input_ids, labels=labels)
     return lambda: [micro_batch] * grad_accum_steps
 
-def training_step(net, rt, next_batch, compile_model, lr=2e-2, grad_clip=1.0):
-    """one call = one optimizer step as train.py's loop takes it: forward and backward over the
-    micro-batches, clip, update with AdamWScale (compiled with the model)"""
-    optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr, compile_model)
+def training_step(net, rt, next_batch, compile_model, lr=2e-2,
+                  grad_clip=1.0):
+    """one call = one optimizer step as train.py's loop takes it: forward
+    and backward over the micro-batches, clip, AdamWScale's update"""
+    optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr)
     model = torch.compile(net) if compile_model else net
 
-    def step(clock=lambda phase: None):  # clock(phase): the phase just ended (print_profile)
+    def step(clock=lambda phase: None):  # clock(phase): the phase just ended
         micro_batches = next_batch()
         for batch in micro_batches:
             with rt.autocast():
@@ -134,43 +147,48 @@ def training_step(net, rt, next_batch, compile_model, lr=2e-2, grad_clip=1.0):
     return step
 
 def warm_up_compiler(rt):
-    """Compiles what both sides share before either first call is timed, the compiler's start-up
-    and the optimizer's update, so that each first call is its model's alone"""
-    layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8)).to(rt.device)
-    optimizer = make_optimizer("adamwscale", param_groups(layers, 0.0), 1e-3, compile=True)
-    torch.compile(layers)(torch.ones(2, 8, device=rt.device)).sum().backward()
-    optimizer.step()
+    """the compiler's start-up, before either side's first call is timed:
+    each first call is then its model's compile"""
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))
+    x = torch.ones(2, 8, device=rt.device)
+    torch.compile(layers.to(rt.device))(x).sum().backward()
 
-def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps, input_length,
-                compile_model, steps=10, burn_in=3, peak_flops=0.0, seed=1337, profile=False):
-    """our training step alone: (s/step, tokens/s, MFU or None, peak memory bytes, first call's s);
-    profile: then prints one more step's kernels (print_profile)"""
+def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps,
+                input_length, compile_model, steps=10, burn_in=3,
+                peak_flops=0.0, seed=1337, profile=False):
+    """our training step alone: (s/step, tokens/s, MFU or None, peak memory
+    bytes, first call's s); profile: then one more step's kernels"""
     t5 = build_model(rt, model_name, vocab_size, seed)
-    next_batch = batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, seed)
+    next_batch = batches(rt, batch_size, grad_accum_steps, input_length,
+                         vocab_size, seed)
     step_fn = training_step(t5, rt, next_batch, compile_model)
     if rt.device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    elif os.path.exists("/proc/self/clear_refs"):  # Linux: "5" resets the max resident set
+    elif os.path.exists("/proc/self/clear_refs"):  # "5": resets the peak RSS
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     first = burn(step_fn, burn_in)
     dt = statistics.median(timed(step_fn) for _ in range(steps))
-    flops = flops_per_step(t5, batch_size, input_length, targets_length(input_length))
-    tokens = batch_size * (input_length + targets_length(input_length))
+    targets = targets_length(input_length)
+    flops = flops_per_step(t5, batch_size, input_length, targets)
+    tokens = batch_size * (input_length + targets)
     mfu_now = mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops))
     if rt.device_type == "cuda":  # the allocator's high-water mark
         memory = torch.cuda.max_memory_allocated()
-    elif os.path.exists("/proc/self/status"):  # Linux: the max resident set since clear_refs (KiB)
-        with open("/proc/self/status") as f:  # (getrusage's holds the parent's, from before exec)
-            memory = 1024 * int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
-    else:  # macOS: the process's max resident set, in bytes
+    elif os.path.exists("/proc/self/status"):
+        # Linux: the peak RSS since clear_refs, in KiB (getrusage's holds
+        # the parent's, from before exec)
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+            memory = 1024 * int(line.split()[1])
+    else:  # macOS: the process's peak RSS, in bytes
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if profile:
         print_profile(step_fn, rt)
     return dt, tokens / dt, mfu_now, memory, first
 
 def now(rt):
-    """a CUDA event recorded now on a GPU (nothing waits for it), else the clock's seconds"""
+    """a CUDA event recorded now on a GPU, else the clock's seconds"""
     if rt.device_type != "cuda":
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
@@ -178,41 +196,50 @@ def now(rt):
     return event
 
 def phases(fn, rt):
-    """one call of fn(clock) timed by phase: {phase: ms}, from the clock(phase) before to its own"""
+    """one call of fn(clock) timed by phase: {phase: ms}"""
     marks = [("start", now(rt))]
     timed(lambda: fn(lambda phase: marks.append((phase, now(rt)))))
     ms = {}
     for (_, start), (phase, end) in zip(marks, marks[1:]):
-        elapsed = start.elapsed_time(end) if rt.device_type == "cuda" else 1e3 * (end - start)
+        elapsed = (start.elapsed_time(end) if rt.device_type == "cuda"
+                   else 1e3 * (end - start))
         ms[phase] = ms.get(phase, 0.0) + elapsed
     return ms
 
 def print_profile(fn, rt, rows=30):
-    """One step by phase (phases), then torch.profiler's table of another: its kernels (the GPU's,
-    or the CPU's ops) by their own time, how many ran, and which attention kernel SDPA chose"""
+    """One step by phase, then torch.profiler's table of another: its
+    kernels (the GPU's, or the CPU's ops) by their own time, how many ran,
+    and which attention kernel SDPA chose"""
     ms = phases(fn, rt)
-    print0("one step by phase: " + " | ".join(f"{phase} {t:.1f} ms" for phase, t in ms.items()))
+    print0("one step by phase: " +
+           " | ".join(f"{phase} {t:.1f} ms" for phase, t in ms.items()))
     from torch.profiler import profile
-    with profile() as prof:  # the CPU's ops, and the GPU's kernels where there is one
+    with profile() as prof:  # the CPU's ops, and a GPU's kernels
         timed(fn)
     events = prof.key_averages()
     on = "cuda" if rt.device_type == "cuda" else "cpu"
     print0(events.table(sort_by=f"self_{on}_time_total", row_limit=rows))
-    attention = sorted({e.key for e in events if e.key.startswith("aten::_scaled_dot_product")})
-    kernels = sum(1 for e in prof.events()
-                  if e.device_type.name == "CUDA" or on == "cpu" and not e.cpu_parent)
-    print0(f"attention: {', '.join(attention) or 'none found'}; {kernels:,} " +
-           ("CUDA kernels in one step" if on == "cuda" else "CPU ops at the top level in one step"))
+    attention = sorted({e.key for e in events
+                        if e.key.startswith("aten::_scaled_dot_product")})
+    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA"
+                  or on == "cpu" and not e.cpu_parent)
+    what = ("CUDA kernels in one step" if on == "cuda"
+            else "CPU ops at the top level in one step")
+    print0(f"attention: {', '.join(attention) or 'none found'}; "
+           f"{kernels:,} {what}")
 
 if __name__ == "__main__":
-    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "configurator.py")).read())
     check_config(config, [
         ("compare", compare in ("", "hf", "null"), "'', hf or null"),
-        ("model", model in ("", *PRESETS), f"'' or one of {', '.join(PRESETS)}"),
+        ("model", model in ("", *PRESETS),
+         f"'' or one of {', '.join(PRESETS)}"),
         ("input_length", input_length >= 3, ">= 3"),
-        *[(key, globals()[key] >= 0, ">= 0") for key in ("burn_in", "batch_size", "threads",
-                                                          "peak_flops")],
-        *[(key, globals()[key] > 0, "> 0") for key in ("steps", "grad_accum_steps")],
+        *[(key, config[key] >= 0, ">= 0")
+          for key in ("burn_in", "batch_size", "threads", "peak_flops")],
+        *[(key, config[key] > 0, "> 0")
+          for key in ("steps", "grad_accum_steps")],
         ("profile", not profile or not compare, "False with --compare"),
     ])
     torch.set_num_threads(threads or os.cpu_count())
@@ -220,28 +247,33 @@ if __name__ == "__main__":
     on_cuda = rt.device_type == "cuda"
     model = model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small")
     batch_size = batch_size or (128 if on_cuda else 4)
-    micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # error if the batch won't split
+    # refused if the batch won't split
+    micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
     vocab_size = T5Config.from_preset(model).vocab_size
-    name = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
-    print0(f"{name} | {model} | batch {batch_size} x {input_length} | {rt.dtype} | "
-           f"compile={compile} | random ids")
+    name = (torch.cuda.get_device_name() if on_cuda
+            else f"CPU, {torch.get_num_threads()} threads")
+    print0(f"{name} | {model} | batch {batch_size} x {input_length} | "
+           f"{rt.dtype} | compile={compile} | random ids")
 
     if not compare:  # ours alone
         dt, tokens_per_s, mfu_now, memory, first = bench_train(
-            rt, model, vocab_size, batch_size, grad_accum_steps, input_length, compile, steps,
-            burn_in, peak_flops, seed, profile)
+            rt, model, vocab_size, batch_size, grad_accum_steps,
+            input_length, compile, steps, burn_in, peak_flops, seed, profile)
         mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
-        first_text = f" | first call (compile): {first:.2f} s" if compile and burn_in else ""
-        print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s{mfu_text} | peak memory "
-               f"{memory / 2**30:.2f} GB{first_text}")
+        first_text = (f" | first call (compile): {first:.2f} s"
+                      if compile and burn_in else "")
+        print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s"
+               f"{mfu_text} | peak memory {memory / 2**30:.2f} GB"
+               f"{first_text}")
     else:  # a training step against transformers' or ours again
         t5 = build_model(rt, model, vocab_size, seed)
         theirs = twin(t5, rt, compare)
-        next_batch = batches(rt, batch_size, grad_accum_steps, input_length, vocab_size, seed)
+        next_batch = batches(rt, batch_size, grad_accum_steps, input_length,
+                             vocab_size, seed)
         tokens = batch_size * (input_length + targets_length(input_length))
         if compile:
             warm_up_compiler(rt)
+        other = "ours again" if compare == "null" else "transformers"
         side_by_side(("ours", training_step(t5, rt, next_batch, compile)),
-                     ("ours again" if compare == "null" else "transformers",
-                      training_step(theirs, rt, next_batch, compile)),
+                     (other, training_step(theirs, rt, next_batch, compile)),
                      tokens, "tok", steps, burn_in, compiled=compile)

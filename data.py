@@ -1,6 +1,6 @@
 """
 The training-time data path: a prepared folder's windows of tokens, span-corrupted into T5's
-(inputs, targets); the batch of every step, built ahead in a thread; what an evaluation measures.
+(inputs, targets); each step's batch, built ahead in a thread; eval metrics.
     data = SpanCorruptionBatches("data/pydoc", "train", batch_size=16, input_length=128,
                                  noise_density=0.15, mean_noise_span_length=3.0, seed=1337)
     input_ids, labels = data.get(step)  # (16, 128) and (16, 29): the batch of any step, at any time
@@ -15,108 +15,136 @@ import torch
 
 from prepare import NUM_SENTINELS, load_meta, prepare_command, shard_name
 
-# span corruption, as T5 does it (t5.data.preprocessors: random_spans_noise_mask and co.)
+# span corruption, as T5 does it (t5.data.preprocessors)
 
 def noise_counts(length, noise_density, mean_noise_span_length):
-    """(noise tokens, noise spans) of a window: at least one noise and one kept token, and no more
-    noise spans than kept ones, as the two alternate"""
+    """(noise tokens, noise spans) of a window: >= 1 noise and 1 kept token,
+    and no more noise spans than kept ones, as they alternate"""
     num_noise = min(max(round(length * noise_density), 1), length - 1)
-    num_spans = max(1, round(min(num_noise, length - num_noise) / mean_noise_span_length))
+    num_spans = max(1, round(min(num_noise, length - num_noise)
+                             / mean_noise_span_length))
     return num_noise, num_spans
 
-def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
-    """T5's random_spans_helper: (the longest raw window whose inputs fit inputs_length, its
-    targets' length). Inputs: kept tokens, a sentinel per span, EOS; targets: sentinels, noise, EOS."""
+def compute_input_and_target_lengths(inputs_length, noise_density,
+                                     mean_noise_span_length):
+    """T5's random_spans_helper: (the longest raw window whose inputs, kept
+    tokens, a sentinel per span and EOS, fit inputs_length; its targets'
+    length)"""
     def corrupted_lengths(raw_length):
-        num_noise, num_spans = noise_counts(raw_length, noise_density, mean_noise_span_length)
-        return raw_length - num_noise + num_spans + 1, num_noise + num_spans + 1
+        num_noise, num_spans = noise_counts(raw_length, noise_density,
+                                            mean_noise_span_length)
+        return (raw_length - num_noise + num_spans + 1,
+                num_noise + num_spans + 1)
     raw_length = inputs_length - 1
     while corrupted_lengths(raw_length + 1)[0] <= inputs_length:
         raw_length += 1
     return raw_length, corrupted_lengths(raw_length)[1]
 
 def random_segmentation(num_items, num_segments, keys):
-    """T5's: the lengths of the num_segments non-empty runs that num_items split into at random, a
-    row of them per row of keys (B, num_items - 1), a uniform random key for each item but the
-    first. Item 0 starts the first run; the num_segments - 1 items with the smallest keys (a
-    uniformly random choice) start the rest."""
-    starts = np.sort(np.argsort(keys, axis=1)[:, :num_segments - 1] + 1, axis=1)  # (B, runs - 1)
-    first, end = np.zeros((len(keys), 1), np.int64), np.full((len(keys), 1), num_items)
-    return np.diff(np.concatenate([first, starts, end], axis=1), axis=1)  # (B, num_segments)
+    """T5's: lengths of num_segments non-empty runs that split num_items at
+    random, a row per row of keys (B, num_items - 1)"""
+    # item 0, with no key, starts the first run
+    starts = np.argsort(keys, axis=1)[:, :num_segments - 1] + 1
+    starts = np.sort(starts, axis=1)  # (B, num_segments - 1)
+    first = np.zeros((len(keys), 1), np.int64)
+    end = np.full((len(keys), 1), num_items)
+    bounds = np.concatenate([first, starts, end], axis=1)
+    return np.diff(bounds, axis=1)  # (B, num_segments)
 
-def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rngs):
-    """T5's: which tokens of each window are noise (True), in num_spans spans of random lengths;
-    a window starts with kept tokens and ends with noise. Row i's keys come from rngs[i]."""
-    num_noise, num_spans = noise_counts(length, noise_density, mean_noise_span_length)
+def random_spans_noise_mask(length, noise_density, mean_noise_span_length,
+                            rngs):
+    """T5's: which tokens of each window are noise (True), in num_spans spans
+    of random lengths, kept tokens first, noise last; row i's keys: rngs[i]"""
+    num_noise, num_spans = noise_counts(length, noise_density,
+                                        mean_noise_span_length)
     num_kept = length - num_noise
-    keys = np.stack([rng.random(length - 2 if num_spans > 1 else 0) for rng in rngs])
-    kept_lengths = random_segmentation(num_kept, num_spans, keys[:, :num_kept - 1])
-    noise_lengths = random_segmentation(num_noise, num_spans, keys[:, num_kept - 1:])
-    # interleaving kept and noise spans: kept, noise, kept, noise, ...
-    span_lengths = np.stack([kept_lengths, noise_lengths], axis=2).reshape(len(keys), -1)
-    span_starts = np.cumsum(span_lengths, axis=1)[:, :-1]  # of every span but the first
+    keys = np.stack([rng.random(length - 2 if num_spans > 1 else 0)
+                     for rng in rngs])
+    kept_lengths = random_segmentation(num_kept, num_spans,
+                                       keys[:, :num_kept - 1])
+    noise_lengths = random_segmentation(num_noise, num_spans,
+                                        keys[:, num_kept - 1:])
+    # interleaved: kept, noise, kept, noise, ...
+    span_lengths = np.stack([kept_lengths, noise_lengths], axis=2)
+    span_lengths = span_lengths.reshape(len(keys), -1)
+    # of every span but the first
+    span_starts = np.cumsum(span_lengths, axis=1)[:, :-1]
     span_start_indicator = np.zeros((len(keys), length), dtype=np.int64)
     np.put_along_axis(span_start_indicator, span_starts, 1, axis=1)
     span_number = np.cumsum(span_start_indicator, axis=1)  # 0, 0, 1, 1, 1, 2, ...
     return span_number % 2 == 1
 
 def noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id):
-    """T5's: each span of noise tokens (B, L) becomes one sentinel, counting down from
-    first_sentinel_id (<extra_id_0>) for each row's first span"""
+    """T5's: each noise span (B, L) becomes one sentinel, counting down from
+    first_sentinel_id (<extra_id_0>) in each row"""
     first_column = np.zeros((len(noise_mask), 1), dtype=bool)
-    previous_is_noise = np.concatenate([first_column, noise_mask[:, :-1]], axis=1)  # shifted right
+    # noise_mask shifted right
+    previous_is_noise = np.concatenate([first_column, noise_mask[:, :-1]],
+                                       axis=1)
     first_noise = noise_mask & ~previous_is_noise
     subsequent_noise = noise_mask & previous_is_noise
     sentinels = first_sentinel_id + 1 - np.cumsum(first_noise, axis=1)
     kept = np.where(first_noise, sentinels, tokens)[~subsequent_noise]
-    return kept.reshape(len(tokens), -1)  # every row drops as many: all but a span's first token
+    # each row drops as many: all but each span's first
+    return kept.reshape(len(tokens), -1)
 
-def span_corrupt(tokens, noise_density, mean_noise_span_length, first_sentinel_id, eos_id, rngs):
-    """T5's span corruption of windows `tokens` (B, L): (inputs, targets), int64, rows ending with
-    EOS. rngs: a numpy Generator per row (a row is the same alone as in a batch), or one for all.
-    With words for tokens, a window of 10, noise_density 0.3 and mean_noise_span_length 1.5 make 3
-    noise tokens in 2 spans; random segmentation splits the 7 kept tokens into 2 runs, here 2 and 5,
-    and the 3 noise tokens into 2 and 1; interleaved, they make the noise mask:
+def span_corrupt(tokens, noise_density, mean_noise_span_length,
+                 first_sentinel_id, eos_id, rngs):
+    """T5's span corruption of windows (B, L) into int64 (inputs, targets).
+    rngs: a numpy Generator per row (a row is the same alone as in a batch),
+    or one for all. With words for tokens, a window of 10, noise_density 0.3
+    and mean_noise_span_length 1.5 make 3 noise tokens in 2 spans; random
+    segmentation splits the 7 kept tokens into 2 runs, here 2 and 5, and the
+    3 noise tokens into 2 and 1; interleaved, they make the noise mask:
         window:   Thank  you  for  inviting  me  to  your  party  last  week
         mask:     .      .    x    x         .   .   .     .      .     x
         inputs:   Thank you <extra_id_0> me to your party last <extra_id_1> </s>
         targets:  <extra_id_0> for inviting <extra_id_1> week </s>
-    The inputs keep what was not noise, with a sentinel for each noise span; the targets are the
-    noise spans, each after its sentinel: the model learns to fill in the blanks."""
+    The model learns to fill in the blanks."""
     if isinstance(rngs, np.random.Generator):
         rngs = [rngs] * len(tokens)
     tokens = tokens.astype(np.int64)
-    noise_mask = random_spans_noise_mask(tokens.shape[1], noise_density, mean_noise_span_length, rngs)
-    inputs = noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id)
-    targets = noise_span_to_unique_sentinel(tokens, ~noise_mask, first_sentinel_id)
+    noise_mask = random_spans_noise_mask(
+        tokens.shape[1], noise_density, mean_noise_span_length, rngs)
+    inputs = noise_span_to_unique_sentinel(tokens, noise_mask,
+                                           first_sentinel_id)
+    targets = noise_span_to_unique_sentinel(tokens, ~noise_mask,
+                                            first_sentinel_id)
     eos = np.full((len(tokens), 1), eos_id, dtype=np.int64)
-    return np.concatenate([inputs, eos], axis=1), np.concatenate([targets, eos], axis=1)
+    return (np.concatenate([inputs, eos], axis=1),
+            np.concatenate([targets, eos], axis=1))
 
 # the batch of every step
 
 def micro_batch_size(batch_size, grad_accum_steps, world_size):
-    """the rows of one micro-step on one rank: a step's batch_size over micro-steps and ranks"""
+    """the rows of one micro-step on one rank"""
     size, leftover = divmod(batch_size, grad_accum_steps * world_size)
     if leftover or not size:
-        raise SystemExit(f"error: batch_size={batch_size} must split evenly into grad_accum_steps="
-                         f"{grad_accum_steps} x {world_size} ranks; change batch_size or "
-                         f"grad_accum_steps")
+        raise SystemExit(
+            f"error: batch_size={batch_size} must split evenly into "
+            f"grad_accum_steps={grad_accum_steps} x {world_size} ranks; "
+            f"change batch_size or grad_accum_steps")
     return size
 
-# the random streams of the batches: numpy seeds [run seed or none, stream, where in the run]
-TRAIN_ORDER = 0  # [seed, TRAIN_ORDER, epoch]: the order in which train's windows are read
-TRAIN_SPANS = 1  # [seed, TRAIN_SPANS, step, row]: where the noise spans of a training row fall
-VAL_SPANS = 2  # [VAL_SPANS, step, row]: a val row's; no seed: eval losses compare across runs
+# the batches' random streams, by numpy seed
+# [seed, TRAIN_ORDER, epoch]: train's order of windows
+TRAIN_ORDER = 0
+# [seed, TRAIN_SPANS, step, row]: a train row's noise spans
+TRAIN_SPANS = 1
+# [VAL_SPANS, step, row]: no seed, so runs' eval losses compare
+VAL_SPANS = 2
 
 @functools.lru_cache(maxsize=1)
 def train_order(seed, num_windows, epoch):
-    return np.random.default_rng([seed, TRAIN_ORDER, epoch]).permutation(num_windows)
+    rng = np.random.default_rng([seed, TRAIN_ORDER, epoch])
+    return rng.permutation(num_windows)
 
 class SpanCorruptionBatches:
-    """Span-corrupted batches of a prepared folder's windows of raw_length tokens. Row r of step
-    k's global batch is a function of (seed, k, r): resuming, more GPUs, micro-steps change nothing."""
-    def __init__(self, data_dir, split, batch_size, input_length, noise_density,
-                 mean_noise_span_length, seed):
+    """Span-corrupted batches of a prepared folder's windows. Row r of step
+    k's batch depends on (seed, k, r) alone: resuming, more GPUs or
+    micro-steps change nothing."""
+    def __init__(self, data_dir, split, batch_size, input_length,
+                 noise_density, mean_noise_span_length, seed):
         self.meta = load_meta(data_dir)
         self.split = split
         self.batch_size = batch_size
@@ -125,30 +153,39 @@ class SpanCorruptionBatches:
         self.seed = seed
         self.raw_length, self.targets_length = compute_input_and_target_lengths(
             input_length, noise_density, mean_noise_span_length)
-        files = self.meta["shards"] if split == "train" else self.meta["val"]
-        self.paths = [os.path.join(data_dir, shard_name(split, i)) for i in range(len(files))]
-        for path, tokens in zip(self.paths, [file["tokens"] for file in files]):
-            if not os.path.isfile(path) or os.path.getsize(path) != 2 * tokens:  # lost, or cut
-                raise SystemExit(f"error: {path} is not the {tokens:,} tokens meta.json says (lost "
-                                 f"or cut): delete {data_dir} and prepare it again with "
-                                 f"`{prepare_command(self.meta['settings'], data_dir)}`")
-        self.shards = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.paths]
-        self.checked = set()  # the shards whose ids were checked, each when a step first reads it
-        windows = [len(s) // self.raw_length for s in self.shards]  # each shard's, not overlapping
+        files = self.meta["shards" if split == "train" else "val"]
+        self.paths = [os.path.join(data_dir, shard_name(split, i))
+                      for i in range(len(files))]
+        for path, tokens in zip(self.paths,
+                                [file["tokens"] for file in files]):
+            if not os.path.isfile(path) or os.path.getsize(path) != 2 * tokens:
+                raise SystemExit(
+                    f"error: {path} is not the {tokens:,} tokens meta.json "
+                    f"says (lost or cut): delete {data_dir} and prepare it "
+                    f"again with "
+                    f"`{prepare_command(self.meta['settings'], data_dir)}`")
+        self.shards = [np.memmap(path, dtype=np.uint16, mode="r")
+                       for path in self.paths]
+        # shards whose ids were checked, on first read
+        self.checked = set()
+        # disjoint windows per shard
+        windows = [len(s) // self.raw_length for s in self.shards]
         self.num_windows = sum(windows)
         if self.num_windows == 0:
-            raise SystemExit(f"error: the {split} data in {data_dir} has fewer than "
-                             f"{self.raw_length} tokens, not one window: prepare more data, or "
-                             f"lower input_length")
+            raise SystemExit(
+                f"error: the {split} data in {data_dir} has fewer than "
+                f"{self.raw_length} tokens, not one window: prepare more "
+                f"data, or lower input_length")
         self.first_window = np.cumsum([0] + windows)  # of each shard
 
     def window_of(self, samples):
-        """(shard, first token) of the window that each of samples reads, a sample being step *
-        batch_size + row. The shards are cut into windows of raw_length L, numbered on from shard
-        to shard; train reads them in a new order each epoch, val in order. With shards of 3 and 2
-        windows, batch_size 4 and seed 1337, epoch 1 reads train_order(1337, 5, 1) =
-        [2, 4, 0, 1, 3]: sample 5 (step 1, row 1) is its first, window 2, shard 0's third (tokens
-        2L to 3L); sample 6 reads window 4, shard 1's second (tokens L to 2L)."""
+        """(shard, first token) of each sample's window, a sample being step *
+        batch_size + row. Windows of raw_length L are numbered across shards;
+        train reads them in a new order each epoch, val in order. With shards
+        of 3 and 2 windows, batch_size 4 and seed 1337, epoch 1 reads
+        train_order(1337, 5, 1) = [2, 4, 0, 1, 3]: sample 5 (step 1, row 1) is
+        its first, window 2, shard 0's third (tokens 2L to 3L); sample 6 reads
+        window 4, shard 1's second (tokens L to 2L)."""
         epochs, nth = np.divmod(samples, self.num_windows)
         windows = nth.copy()
         if self.split == "train":
@@ -158,40 +195,48 @@ class SpanCorruptionBatches:
         shard = np.searchsorted(self.first_window, windows, side="right") - 1
         return shard, (windows - self.first_window[shard]) * self.raw_length
 
-    def get(self, step, micro_step=0, grad_accum_steps=1, rank=0, world_size=1, device="cpu"):
-        """(input_ids (b, input_length), labels (b, targets_length)) int64 on device: this rank's
-        slice of step's global batch for micro_step: b = batch_size / grad_accum_steps / ranks"""
+    def get(self, step, micro_step=0, grad_accum_steps=1, rank=0,
+            world_size=1, device="cpu"):
+        """int64 (input_ids (b, input_length), labels (b, targets_length)) on
+        device: micro_step's b rows of step's batch on this rank"""
         b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
         first_row = (micro_step * world_size + rank) * b
         rows = range(first_row, first_row + b)
-        shards, starts = self.window_of(step * self.batch_size + np.array(rows))
-        for s in set(shards.tolist()) - self.checked:  # a shard's ids, once, where they enter
+        shards, starts = self.window_of(
+            step * self.batch_size + np.array(rows))
+        for s in set(shards.tolist()) - self.checked:
             largest = largest_id(self.paths[s])
             if largest >= self.meta["vocab_size"]:
-                raise SystemExit(f"error: {self.paths[s]} holds token id {largest}, beyond its "
-                                 f"tokenizer's {self.meta['vocab_size']} ids: it is another "
-                                 f"tokenizer's")
+                raise SystemExit(
+                    f"error: {self.paths[s]} holds token id {largest}, beyond "
+                    f"its tokenizer's {self.meta['vocab_size']} ids: it is "
+                    f"another tokenizer's")
             self.checked.add(s)
-        raw = np.stack([self.shards[s][i: i + self.raw_length] for s, i in zip(shards, starts)])
-        stream = [self.seed, TRAIN_SPANS] if self.split == "train" else [VAL_SPANS]
-        rngs = [np.random.default_rng([*stream, step, r]) for r in rows]
-        inputs, targets = span_corrupt(raw, self.noise_density, self.mean_noise_span_length,
-                                       self.meta["first_sentinel_id"], self.meta["eos_id"], rngs)
-        return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device)
+        raw = np.stack([self.shards[s][i: i + self.raw_length]
+                        for s, i in zip(shards, starts)])
+        stream = ([self.seed, TRAIN_SPANS] if self.split == "train"
+                  else [VAL_SPANS])
+        rngs = [np.random.default_rng([*stream, step, r])
+                for r in rows]
+        inputs, targets = span_corrupt(
+            raw, self.noise_density, self.mean_noise_span_length,
+            self.meta["first_sentinel_id"], self.meta["eos_id"], rngs)
+        return (torch.from_numpy(inputs).to(device),
+                torch.from_numpy(targets).to(device))
 
 def largest_id(path, chunk_bytes=1 << 24):
-    """a shard's largest token id, read in chunks, whose pages do not stay in this process (a
-    memmap's max() would keep every page of the shard resident)"""
+    """read in chunks: a memmap's max() would keep the whole shard resident"""
     largest = 0
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
-            largest = max(largest, int(np.frombuffer(chunk, dtype=np.uint16).max()))
+            ids = np.frombuffer(chunk, dtype=np.uint16)
+            largest = max(largest, int(ids.max()))
     return largest
 
 class Prefetcher:
-    """get(step): this rank's micro-batches of step for the training loop, grad_accum_steps dicts of
-    input_ids and labels. A thread builds step + 1's while the caller runs step (the order of
-    steps is known: no DataLoader workers), and on CUDA pins them: the copy to the GPU is async."""
+    """get(step): this rank's micro-batches of step, dicts of input_ids and
+    labels. A thread builds step + 1's during step (the order is known: no
+    DataLoader workers) and pins them on CUDA: the copy is async."""
     def __init__(self, data, grad_accum_steps, rank, world_size, device):
         self.data = data
         self.grad_accum_steps = grad_accum_steps
@@ -199,59 +244,74 @@ class Prefetcher:
         self.world_size = world_size
         self.device = torch.device(device)
         pin_on = {}
-        if self.device.type == "cuda":  # the thread pins on this rank's GPU: no context on GPU 0
-            gpu = torch.cuda.current_device() if self.device.index is None else self.device.index
-            pin_on = dict(initializer=torch.cuda.set_device, initargs=(gpu,))
+        if self.device.type == "cuda":
+            # pin on this rank's GPU: no context on GPU 0
+            gpu = (torch.cuda.current_device() if self.device.index is None
+                   else self.device.index)
+            pin_on = dict(initializer=torch.cuda.set_device,
+                          initargs=(gpu,))
         self.pool = ThreadPoolExecutor(1, **pin_on)
-        self.next = (None, None)  # (step, future of its micro-batches on the host)
+        # (step, future of its host micro-batches)
+        self.next = (None, None)
 
     def on_host(self, step):
         micro_batches = []
         for micro_step in range(self.grad_accum_steps):
-            input_ids, labels = self.data.get(step, micro_step, self.grad_accum_steps, self.rank,
-                                              self.world_size)
+            input_ids, labels = self.data.get(
+                step, micro_step, self.grad_accum_steps, self.rank,
+                self.world_size)
             if self.device.type == "cuda":
-                input_ids, labels = input_ids.pin_memory(), labels.pin_memory()
+                input_ids = input_ids.pin_memory()
+                labels = labels.pin_memory()
             micro_batches.append(dict(input_ids=input_ids, labels=labels))
         return micro_batches
 
     def get(self, step):
         next_step, future = self.next
-        micro_batches = future.result() if next_step == step else self.on_host(step)
+        micro_batches = (future.result() if next_step == step
+                         else self.on_host(step))
         self.next = (step + 1, self.pool.submit(self.on_host, step + 1))
-        return [{key: t.to(self.device, non_blocking=True) for key, t in batch.items()}
+        return [{key: t.to(self.device, non_blocking=True)
+                 for key, t in batch.items()}
                 for batch in micro_batches]
 
     def close(self):
-        """stop the thread, dropping a batch built ahead that no step will use"""
         self.pool.shutdown(cancel_futures=True)
 
-# what an evaluation measures: how many spans the model gets right, and a baseline for it
+# what an evaluation measures
 
 def span_accuracy(logits, labels, first_sentinel_id):
-    """(spans right, spans) of a batch under teacher forcing, as tensors: a noise span is right when
-    the model's argmax is each of its tokens and the token that ends it (a sentinel, or EOS)."""
-    sentinel = (labels <= first_sentinel_id) & (labels > first_sentinel_id - NUM_SENTINELS)
-    span = sentinel.long().cumsum(1) - sentinel.long()  # (B, T): the span a label is in or ends
-    wrong = ((logits.argmax(-1) != labels) & (span > 0)).float()  # span 0: the first sentinel
-    wrong_per_span = torch.zeros(labels.size(0), labels.size(1) + 1, device=labels.device)
+    """(spans right, spans) under teacher forcing, as tensors: a span is right
+    if the argmax is each of its tokens and the one ending it (a sentinel, or
+    EOS)"""
+    sentinel = ((labels <= first_sentinel_id)
+                & (labels > first_sentinel_id - NUM_SENTINELS))
+    # (B, T): the span each label is in or ends
+    span = sentinel.long().cumsum(1) - sentinel.long()
+    # span 0: the first sentinel
+    wrong = ((logits.argmax(-1) != labels) & (span > 0)).float()
+    wrong_per_span = torch.zeros(labels.size(0), labels.size(1) + 1,
+                                 device=labels.device)
     wrong_per_span.scatter_add_(1, span, wrong)
-    return sentinel.sum() - (wrong_per_span[:, 1:] > 0).sum(), sentinel.sum()
+    right = sentinel.sum() - (wrong_per_span[:, 1:] > 0).sum()
+    return right, sentinel.sum()
 
 def span_fills(labels, first_sentinel_id):
-    """the fills, as tuples of ids, of every noise span in a (B, T) batch of labels"""
+    """every noise span's fill, a tuple of ids, in labels (B, T)"""
     fills = []
-    for token in (token for row in labels.tolist() for token in row[:-1]):  # the last is EOS
-        if first_sentinel_id - NUM_SENTINELS < token <= first_sentinel_id:
-            fills.append(())
-        else:
-            fills[-1] += (token,)
+    for row in labels.tolist():
+        for token in row[:-1]:  # the last is EOS
+            if first_sentinel_id - NUM_SENTINELS < token <= first_sentinel_id:
+                fills.append(())
+            else:
+                fills[-1] += (token,)
     return fills
 
 def unigram_baseline(val, val_steps):
-    """(the commonest fill of val's spans, the share of them it fills): the best span accuracy of a
-    model that ignores its input, which always writes that fill"""
+    """(the commonest fill of val's spans, the share it fills): the best span
+    accuracy of a model that ignores its input"""
     first = val.meta["first_sentinel_id"]
-    fills = [fill for step in range(val_steps) for fill in span_fills(val.get(step)[1], first)]
+    fills = [fill for step in range(val_steps)
+             for fill in span_fills(val.get(step)[1], first)]
     common, count = Counter(fills).most_common(1)[0]
     return common, count / len(fills)

@@ -1,34 +1,40 @@
 """
-Exports a run of train.py or finetune.py in Hugging Face's format: config.json, model.safetensors
-and the tokenizer its checkpoint carries (spiece.model; a BPE's tokenizer.tiktoken, and
-tokenizer.json for transformers' AutoTokenizer), which transformers' T5ForConditionalGeneration
-and sample.py read back as the run.
+Exports a run of train.py or finetune.py in Hugging Face's format:
+config.json, model.safetensors and the tokenizer its checkpoint carries
+(spiece.model; a BPE's tokenizer.tiktoken, and tokenizer.json for
+transformers' AutoTokenizer), which transformers'
+T5ForConditionalGeneration and sample.py read back as the run.
     python export.py --init_from=out/t5_tiny --out_dir=out/t5_tiny_hf
 """
 import os
 
-from checkpoint import find_checkpoint, load, model_from_checkpoint, save_pretrained, tokenizer_of
+from checkpoint import find_checkpoint, load, model_from_checkpoint, tokenizer_of
+from hf import save_pretrained
 from runtime import claim
 
-# -------------------------------------------------------------------------------------------------
-init_from = "out/t5_tiny"  # a run: its out_dir, ckpt/ or a step folder (or an older run's ckpt.pt)
+# -----------------------------------------------------------------------------
+# a run: its out_dir, ckpt/ or a step folder (or an older run's ckpt.pt)
+init_from = "out/t5_tiny"
 out_dir = "out/t5_tiny_hf"  # a new folder, or an empty one
-# -------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-    if not find_checkpoint(init_from):  # a run to export, not weights in this format already
-        raise SystemExit(f"error: {init_from} is not a run of train.py or finetune.py (its "
-                         f"out_dir, ckpt/ or a step folder): export.py writes a run in Hugging "
-                         f"Face's format")
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise SystemExit(f"error: {out_dir} is not an empty folder, and export.py replaces no "
-                         f"file: pass a new --out_dir")
+    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "configurator.py")).read())
+    if not find_checkpoint(init_from):  # not weights in this format already
+        raise SystemExit(f"error: {init_from} is not a run of train.py or "
+                         f"finetune.py (its out_dir, ckpt/ or a step folder): "
+                         f"export.py writes a run in Hugging Face's format")
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir)
+                                    or os.listdir(out_dir)):
+        raise SystemExit(f"error: {out_dir} is not an empty folder, and "
+                         f"export.py replaces no file: pass a new --out_dir")
     claim(out_dir, lock=False)  # a folder it can write in, before any work
     ckpt = load(init_from)
     model = model_from_checkpoint(ckpt)
-    tokenizer_of(ckpt, init_from)  # checked against the model before any write
-    save_pretrained(model, out_dir, ckpt["tokenizer"])  # None: T5's, which transformers knows
+    tokenizer_of(ckpt, init_from)  # the model's, checked before any write
+    # None: T5's, which transformers knows
+    save_pretrained(model, out_dir, ckpt["tokenizer"])
     spiece = ", with its tokenizer" if ckpt["tokenizer"] else ""
-    print(f"{out_dir}: {init_from} ({model.num_params() / 1e6:.1f}M parameters) as Hugging Face's "
-          f"T5ForConditionalGeneration{spiece}")
+    print(f"{out_dir}: {init_from} ({model.num_params() / 1e6:.1f}M "
+          f"parameters) as Hugging Face's T5ForConditionalGeneration{spiece}")

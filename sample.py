@@ -1,11 +1,12 @@
 """
-Fills in the sentinels of a text with a trained T5: nanoGPT's sample.py, for span corruption.
+Fills in the sentinels of a text with a trained T5: nanoGPT's sample.py,
+for span corruption.
     python sample.py --init_from=out/t5_tiny --text="The <extra_id_0> is a small <extra_id_1> ."
     python sample.py --init_from=google/t5-v1_1-base --text="Thank you <extra_id_0> me to a party."
-init_from: a run of train.py or finetune.py (its out_dir, ckpt/ or a step folder), read with the
-tokenizer its checkpoint carries, or Hugging Face weights (a Hub name, or a folder such as export.py
-writes), read with the spiece.model beside them or else T5's. The model's fills are shown [in
-brackets] at the sentinels.
+init_from: a run of train.py or finetune.py (its out_dir, ckpt/ or a step
+folder), read with the tokenizer its checkpoint carries, or Hugging Face
+weights (a Hub name, or a folder such as export.py writes), read with the
+spiece.model beside them or else T5's. The fills show [in brackets].
 """
 import os
 import re
@@ -14,7 +15,7 @@ import torch
 
 from checkpoint import load, model_from_checkpoint, tokenizer_of
 from prepare import NUM_SENTINELS
-from runtime import check_config, print0, setup_runtime
+from runtime import print0, setup_runtime
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")  # where the model fills in
 
@@ -22,30 +23,36 @@ def check_text(text):
     """the gaps of --text: marked <extra_id_0> to <extra_id_99>, each once"""
     numbers = [int(number) for number in SENTINEL.findall(text)]
     if not numbers:
-        raise SystemExit("error: --text has no sentinel to fill in: mark gaps with <extra_id_0>, "
-                         "<extra_id_1>, ...")
+        raise SystemExit("error: --text has no sentinel to fill in: mark gaps "
+                         "with <extra_id_0>, <extra_id_1>, ...")
     if max(numbers) >= NUM_SENTINELS:
-        raise SystemExit(f"error: --text has <extra_id_{max(numbers)}>, but a T5 knows only "
-                         f"<extra_id_0> to <extra_id_{NUM_SENTINELS - 1}>")
+        raise SystemExit(f"error: --text has <extra_id_{max(numbers)}>, but a "
+                         f"T5 knows only <extra_id_0> to "
+                         f"<extra_id_{NUM_SENTINELS - 1}>")
     if len(set(numbers)) < len(numbers):
-        raise SystemExit("error: --text has a sentinel twice: give each gap its own")
+        raise SystemExit("error: --text has a sentinel twice: give each gap "
+                         "its own")
 
-# -------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 init_from = "out/t5_tiny"
-text = "The <extra_id_0> of a function is its <extra_id_1> ."  # each gap a sentinel, once
-max_new_tokens = 64  # 100 sentinels of mean span 3 need ~400; the cache is sized to it
+# each gap a sentinel, once
+text = "The <extra_id_0> of a function is its <extra_id_1> ."
+max_new_tokens = 64  # 100 sentinels of mean span 3 need ~400: the cache's size
 device = "auto"
-# -------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 
 def encode(tok, text):
-    """the ids of text, each <extra_id_i> as its sentinel, ending with EOS as a model's inputs do"""
+    """the ids of text, each <extra_id_i> its sentinel, ending with EOS"""
     ids = []
     for i, part in enumerate(SENTINEL.split(text)):
-        ids += tok.encode(part) if i % 2 == 0 else [tok.first_sentinel_id - int(part)]
+        if i % 2:  # a sentinel's number
+            ids.append(tok.first_sentinel_id - int(part))
+        else:
+            ids += tok.encode(part)
     return ids + [tok.eos_id]
 
 def fill_in(tok, text, fill):
-    """text with each <extra_id_i> replaced by [what fill (model output or truth) holds after it]"""
+    """text, each <extra_id_i> replaced by [what fill holds after it]"""
     spans, span = {}, None
     for i in fill:
         if tok.is_sentinel(i):
@@ -54,17 +61,22 @@ def fill_in(tok, text, fill):
             break
         elif span is not None:
             span.append(i)
-    return SENTINEL.sub(lambda m: f"[{tok.decode(spans.get(int(m[1]), [])).strip()}]", text)
+
+    def filled(match):
+        return f"[{tok.decode(spans.get(int(match[1]), [])).strip()}]"
+    return SENTINEL.sub(filled, text)
 
 if __name__ == "__main__":
-    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "configurator.py")).read())
     check_text(text)
-    check_config(config, [("max_new_tokens", 0 < max_new_tokens <= 1024, "in [1, 1024]")])
+    check_config(config, [("max_new_tokens", 0 < max_new_tokens <= 1024,
+                           "in [1, 1024]")])
     rt = setup_runtime(device, "float32")
     ckpt = load(init_from)
-    model = model_from_checkpoint(ckpt)
-    model.to(rt.device).eval()
-    tok = tokenizer_of(ckpt, init_from)  # the one it was trained with, which its checkpoint carries
+    model = model_from_checkpoint(ckpt).to(rt.device).eval()
+    # the one it was trained with, which its checkpoint carries
+    tok = tokenizer_of(ckpt, init_from)
     ids = encode(tok, text)
     inputs = torch.tensor([ids], device=rt.device)
     fill = model.generate(inputs, max_new_tokens=max_new_tokens)[0].tolist()

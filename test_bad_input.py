@@ -18,7 +18,8 @@ import sys
 
 import pytest
 
-from checkpoint import save_checkpoint, save_pretrained
+from checkpoint import save_checkpoint
+from hf import save_pretrained
 from model import T5, T5Config
 from optim import make_optimizer, param_groups
 from prepare import prepare

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import checkpoint as C
+from hf import save_pretrained
 import runtime
 from model import T5, T5Config
 from optim import AdamWScale
@@ -209,7 +210,7 @@ def test_a_file_that_is_no_checkpoint_is_one_line(tmp_path):
 def test_weights_meet_only_data_of_their_own_tokenizer(tmp_path):
     """A model reads ids as its tokenizer made them: Hugging Face's weights without a spiece.model carry T5's, and
     data tokenised by another tokenizer, even of the same vocab size, is refused, as is another vocab"""
-    C.save_pretrained(T5(T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2)),
+    save_pretrained(T5(T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2)),
                       str(tmp_path / "hf"))
     hf = C.load(str(tmp_path / "hf"))
     assert hf["tokenizer"] is None and C.tokenizer_sha256(hf) == T5_SPIECE_SHA256
@@ -226,7 +227,7 @@ def test_an_export_names_its_tokenizer_and_reads_no_other(tmp_path):
     # config.json records the spiece.model's sha256: a replaced or lost spiece.model is refused, where T5's would
     # otherwise be read in its place, silently, for a vocab of T5's size
     t5 = T5(T5Config(vocab_size=256, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2))
-    C.save_pretrained(t5, str(tmp_path / "hf"), tokenizer=b"our tokenizer")
+    save_pretrained(t5, str(tmp_path / "hf"), tokenizer=b"our tokenizer")
     assert C.load(str(tmp_path / "hf"))["tokenizer"] == b"our tokenizer"
     (tmp_path / "hf" / "spiece.model").write_bytes(b"another tokenizer")
     with pytest.raises(SystemExit, match="spiece.model is not the tokenizer its config.json records"):

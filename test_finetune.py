@@ -17,7 +17,8 @@ import torch
 from finetune import (build_prompt, collate, compute_metrics, generate_predictions, load_split, rouge_l,
                       tokenize_example)
 from model import T5, T5Config
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_checkpoint, save_pretrained
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_checkpoint
+from hf import save_pretrained
 from checkpoint import tokenizer_of
 from prepare import prepare
 from test_train import wandb_runs

@@ -20,7 +20,8 @@ import time
 import pytest
 import torch
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_pretrained
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from hf import save_pretrained
 from prepare import prepare
 from test_finetune import sni_dir  # noqa: F401 (a fixture)
 from test_train import REPO, TINY, data_dir, read_log, run, start_until_step  # noqa: F401 (data_dir is a fixture)
@@ -256,15 +257,17 @@ import os, resource, signal, sys
 sys.path.insert(0, {repo!r})
 import torch
 from checkpoint import save_checkpoint
+from distributed import draw_weights, join, shard_optimizer, wrap_model
 from model import T5, T5Config
 from optim import make_optimizer, param_groups
-from runtime import draw_weights, setup_runtime, wrap_model
+from runtime import setup_runtime
 rt = setup_runtime("cpu", "float32", 0, fsdp=True)
+join(rt)
 with torch.device("meta"):
     t5 = T5(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2))
 wrap_model(t5, rt, fsdp=True)
 draw_weights(t5)
-opt = make_optimizer("adamwscale", param_groups(t5, 0.0), 1e-3)
+opt = shard_optimizer(make_optimizer("adamwscale", param_groups(t5, 0.0), 1e-3))
 RUN = dict(program="train.py", config={{}}, meta=None, tokenizer=None)
 save_checkpoint(sys.argv[1], t5, opt, 1, 0.0, RUN)
 if rt.rank == {full_rank}:
@@ -345,10 +348,11 @@ import collections, json, os, sys
 sys.path.insert(0, {repo!r})
 import torch
 from model import T5, T5Config
+from distributed import ShardedAdamWScale, clip_grad_norm, draw_weights, join, wrap_model
 from optim import AdamWScale, param_groups
-from runtime import Runtime, clip_grad_norm, draw_weights, setup_runtime, wrap_model
+from runtime import Runtime, setup_runtime
 
-setup_runtime("cpu", "float32", seed=0)  # joins the process group
+join(setup_runtime("cpu", "float32", seed=0))  # joins the process group
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 config = T5Config(vocab_size=256, d_model=64, d_ff=128, num_heads=2, d_kv=32, num_layers=3, num_decoder_layers=3)
 gathers = collections.Counter()  # all-gathers by the size of this rank's input: one size per group
@@ -369,7 +373,7 @@ def losses(dtype, fsdp, activation_checkpointing, steps=3):
         t5 = T5(config)
     model = wrap_model(t5, rt, fsdp, activation_checkpointing=activation_checkpointing)
     draw_weights(t5)
-    opt = AdamWScale(model.parameters(), lr=1e-2)
+    opt = (ShardedAdamWScale if fsdp else AdamWScale)(model.parameters(), lr=1e-2)
     gathers.clear()
     out = []
     for _ in range(steps):  # train.py's step, of one micro-step
@@ -394,14 +398,19 @@ def losses(dtype, fsdp, activation_checkpointing, steps=3):
         with torch.no_grad(), rt.autocast():
             fills = t5.generate(mine["input_ids"], max_new_tokens=max_new_tokens).tolist()
         generate_gathers.append(dict(gathers))
-    return dict(losses=out, gathers=counts, sizes=sizes, fills=fills, generate_gathers=generate_gathers)
+    # each rank decoding as many tokens as it needs, here 3 and 8: none waits for another's rows
+    with torch.no_grad(), rt.autocast(), torch.profiler.profile() as profile:
+        uneven = t5.generate(mine["input_ids"], max_new_tokens=3 + 5 * rank).tolist()
+    reduces = sum(event.name == "gloo:all_reduce" for event in profile.events())
+    return dict(losses=out, gathers=counts, sizes=sizes, fills=fills, generate_gathers=generate_gathers,
+                uneven=uneven, decoding_all_reduces=reduces)
 
 def adamwscale_all_reduces():  # of an AdamWScale step under FSDP: its second (the first also makes its state)
     with torch.device("meta"):
         t5 = T5(config)
     wrap_model(t5, Runtime("cpu", "cpu", "float32", True, rank, rank, world), fsdp=True)
     draw_weights(t5)
-    opt = AdamWScale(param_groups(t5, weight_decay=0.0), lr=1e-2)  # 2 groups
+    opt = ShardedAdamWScale(param_groups(t5, weight_decay=0.0), lr=1e-2)  # 2 groups
     for _ in range(2):
         t5(**mine)[1].backward()
         with torch.profiler.profile() as profile:
@@ -466,6 +475,15 @@ def test_generate_gathers_each_block_once_for_any_number_of_tokens(groups):
     assert four == eight  # as often for 8 new tokens as for 4: not at every decoding step
     for gathers in (first, eight):  # the first gathers the embedding and the root too, which stay gathered
         assert gathers[str(sizes["encoder_block"])] == gathers[str(sizes["decoder_block"])] == 3  # once a layer
+
+
+def test_each_rank_stops_decoding_when_its_own_rows_are_done(groups):
+    # under FSDP every block is gathered for the whole generate() call, so that its decoding steps hold no collective:
+    # a rank decoding fewer tokens than another neither waits for it nor leaves it waiting (before, the ranks agreed at
+    # every step, and a rank that stopped left the others waiting), and gives one process's tokens
+    for dtype in ("float32", "bfloat16"):
+        one, fsdp = groups[f"{dtype} False False"], groups[f"{dtype} True False"]
+        assert fsdp["uneven"] == one["uneven"] and fsdp["decoding_all_reduces"] == 0
 
 
 def test_adamwscale_under_fsdp_reduces_all_tensors_at_once(groups):

@@ -1,13 +1,13 @@
-"""Speed, round three, on a GPU, from the repo's root: `python docs/gpu_trials.py` (at most 8 minutes on one H100).
-t5-v1_1-base at batch 128 x (512 + 114), bf16, the model compiled as train.py compiles it. Each change against
-today's step, in this process, on the same weights and batch, A B B A after warm-up, the null comparison first:
+"""Speed, round four, on a GPU, from the repo's root: `python docs/gpu_trials.py` (at most 8 minutes on one H100).
+t5-v1_1-base at batch 128 x (512 + 114), bf16, the model compiled as train.py compiles it, AdamWScale in torch's
+fused AdamW kernel. Each change against today's step, in this process, on the same weights and batch, A B B A after
+warm-up, the null comparison first:
   null        today's step against itself
-  fused       AdamWScale eager, torch's fused AdamW kernel, against today's compiled per-tensor update
   flex        the encoder's self-attention in flex_attention, its bias an fp32 (H, S, S) table in a score_mod
-  per-block   each block compiled, as the FSDP path does, against the whole model compiled (both with fused)
-Then each side's phases (forward, backward, clip, optimizer), its first call (Inductor's caches off; today's
-includes compiling the optimizer's update, which the later sides reuse),
-AdamWScale's step alone in both forms, and flex against SDPA for one encoder layer, forward and backward.
+  per-block   each block compiled, as the FSDP path does, against the whole model compiled
+Then each side's phases (forward, backward, clip, optimizer), its first call (Inductor's caches off),
+AdamWScale's step alone in both forms (the fused kernel, and PerTensor: the per-tensor update compiled, as
+make_optimizer ran it before), and flex against SDPA for one encoder layer, forward and backward.
 Then train.py as a user runs it (train_run): config/t5_base.py on data/pydoc, compiled, bf16, 120 steps with a
 checkpoint at 100, those last 20 steps again resumed from it, and sample.py from the run.
 Prints one table and writes the same figures to $OUT/gpu_trials.json (else ./gpu_trials.json).
@@ -31,7 +31,7 @@ from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-from optim import make_optimizer, param_groups  # noqa: E402
+from optim import AdamWScale, make_optimizer, param_groups  # noqa: E402
 from prepare import RECIPES, prepare  # noqa: E402
 from runtime import setup_runtime  # noqa: E402
 
@@ -63,6 +63,36 @@ def flex_encoder_forward(encoder, x, attention_mask, dtype):
 def use_flex_in_encoder(t5):
     t5.encoder.forward = lambda *args: flex_encoder_forward(t5.encoder, *args)
     return t5
+
+
+@torch.no_grad()
+def per_tensor_update(p, g, m, v, t, p_rms, lr, beta1, beta2, eps):
+    """AdamWScale's lines (1)-(4) for one tensor, flattened"""
+    t += 1
+    m.lerp_(g, 1 - beta1)  # (1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # (2)
+    t = t.double()
+    step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t) * p_rms.clamp(min=1e-3)  # (3)
+    p.sub_((m / v.sqrt().add_(eps)).mul_(step_size))  # (4)
+
+
+class PerTensor(AdamWScale):
+    """per_tensor_update compiled once for every size and step, its lr and step counts tensors on the device: what
+    make_optimizer(compile=True) ran before the fused kernel"""
+    update = staticmethod(torch.compile(per_tensor_update, dynamic=True))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            lr = torch.tensor(group["lr"], dtype=torch.float64, device=params[0].device)
+            for p, p_rms in zip(params, self.rms(params)):
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+                tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+                self.update(*(x.view(-1) for x in tensors), state["step"], p_rms, lr, *group["betas"], group["eps"])
 
 
 def compile_blocks(t5):
@@ -164,13 +194,11 @@ def main():
     print(f"{device} | torch {torch.__version__} | {name} | batch {batch_size} x {input_length} | {rt.dtype}")
 
     t5 = bench.build_model(rt, name, vocab_size)
-    whole = torch.compile(t5)  # bench.training_step(t5, ..., True) compiles it so, and the optimizer's update
     sides = {"today": bench.training_step(t5, rt, next_batch, True),
              "null": bench.training_step(t5, rt, next_batch, True),
-             "fused": bench.training_step(whole, rt, next_batch, False),  # the model compiled, not the optimizer
              "per-block": bench.training_step(compile_blocks(copy.deepcopy(t5)), rt, next_batch, False)}
-    # (side, the side it is timed against): per-block against fused, the same optimizer
-    pairs = [("null", "today"), ("fused", "today"), ("per-block", "fused")]
+    # (side, the side it is timed against)
+    pairs = [("null", "today"), ("per-block", "today")]
     if on_cuda:  # flex_attention has no backward on a CPU
         sides["flex"] = bench.training_step(use_flex_in_encoder(copy.deepcopy(t5)), rt, next_batch, True)
         pairs.append(("flex", "today"))
@@ -192,7 +220,7 @@ def main():
 
     for p in t5.parameters():  # AdamWScale alone, over the model's tensors
         p.grad = torch.randn_like(p) * 1e-3
-    optimizers = [("compiled", make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2, compile=True)),
+    optimizers = [("compiled per-tensor", PerTensor(param_groups(t5, 0.0), lr=2e-2)),
                   ("fused", make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2))]
     medians = bench.side_by_side(*[(f"AdamWScale {k}", o.step) for k, o in optimizers], t5.num_params(), "param",
                                  steps, 3, compiled=True)

@@ -1,0 +1,200 @@
+"""
+Hugging Face's format: transformers' T5ForConditionalGeneration read and
+written (config.json, model.safetensors and the tokenizer), our names
+mapped to theirs, and weights fetched from the Hub.
+"""
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import zipfile
+
+import torch
+
+from model import T5, T5Config
+from prepare import (BPE_PATTERN, NUM_SENTINELS, TIKTOKEN_LINE, Tokenizer,
+                     read_ranks)
+from runtime import atomic_write
+
+NOTHING_THERE = ("error: {} holds no run or weights{}: pass a run's out_dir "
+                 "(or a step folder of its ckpt/), a folder of Hugging Face "
+                 "weights, or a Hub name like google/t5-v1_1-base")
+
+# T5Config fields that HF's config.json names otherwise; the rest, alike
+HF_CONFIG_NAMES = {'dropout': 'dropout_rate',
+                   'layer_norm_eps': 'layer_norm_epsilon'}
+# our block's sub-modules -> HF's; the parameters in them have our names
+HF_SUBLAYERS = dict(ln_1='layer.0.layer_norm', attn='layer.0.SelfAttention',
+                    self_attn='layer.0.SelfAttention',
+                    ln_2='layer.1.layer_norm',
+                    cross_attn='layer.1.EncDecAttention',
+                    ln_3='layer.2.layer_norm')
+# copies of shared.weight, and a cross-attention bias table that old
+# checkpoints carry and T5 never uses
+HF_REDUNDANT = {'encoder.embed_tokens.weight', 'decoder.embed_tokens.weight',
+                'decoder.block.0.layer.1.EncDecAttention'
+                '.relative_attention_bias.weight'}
+
+def hf_names(model):
+    """(our name, HF's) of each tensor: decoder.blocks.3.cross_attn.k.weight
+    is decoder.block.3.layer.1.EncDecAttention.k.weight"""
+    for name in model.state_dict():
+        stack, kind, *rest = name.split('.')
+        if kind == 'blocks':  # feed-forward: the encoder's layer 1, decoder's 2
+            layer = 1 if stack == 'encoder' else 2
+            sub = HF_SUBLAYERS.get(rest[1], f"layer.{layer}.DenseReluDense")
+            yield name, '.'.join([stack, 'block', rest[0], sub, *rest[2:]])
+        else:  # ln_f, shared, lm_head
+            yield name, name.replace('ln_f', 'final_layer_norm')
+
+def read_hf(name_or_dir):
+    """(T5Config, state dict in our names, the tokenizer beside them or
+    None: T5's) of a gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt,
+    nanoT5): a Hub id, or a folder of config.json and model.safetensors or
+    pytorch_model.bin"""
+    folder = (name_or_dir if os.path.isdir(name_or_dir)
+              else download(name_or_dir))
+    if not os.path.isfile(os.path.join(folder, 'config.json')):
+        raise SystemExit(NOTHING_THERE.format(name_or_dir, ""))
+    with open(os.path.join(folder, 'config.json')) as f:
+        hf = json.load(f)
+    tokenizer, name = None, 'spiece.model'
+    # a sentencepiece model, or a BPE's ranks
+    for file in ('spiece.model', 'tokenizer.tiktoken'):
+        if os.path.isfile(os.path.join(folder, file)):
+            with open(os.path.join(folder, file), 'rb') as f:
+                tokenizer, name = f.read(), file
+    # export.py's: the tokenizer the model was trained with
+    recorded = hf.get('tokenizer_sha256')
+    found = tokenizer and hashlib.sha256(tokenizer).hexdigest()
+    if recorded and recorded != found:
+        raise SystemExit(f"error: {folder}/{name} is not the tokenizer its "
+                         f"config.json records (tokenizer_sha256 "
+                         f"{recorded[:12]}): copy the model's own tokenizer "
+                         f"there")
+    if hf.get('feed_forward_proj', 'relu') != 'gated-gelu':
+        raise SystemExit(f"error: {name_or_dir} is not a gated-GELU T5, "
+                         f"which model.py implements (t5-v1_1, flan-t5, "
+                         f"t5-lm-adapt, nanoT5)")
+    state_dict = read_weights_file(folder)
+    fields = {}
+    for field in dataclasses.fields(T5Config):
+        value = hf.get(HF_CONFIG_NAMES.get(field.name, field.name))
+        if value is not None:
+            fields[field.name] = value
+    fields.setdefault('num_decoder_layers', fields['num_layers'])
+    # transformers 5 says tie_word_embeddings=true even when untied: the
+    # weights decide
+    shared = state_dict['shared.weight']
+    lm_head = state_dict.get('lm_head.weight', shared)
+    tied = lm_head is shared or torch.equal(lm_head, shared)
+    fields['tie_word_embeddings'] = tied
+    scaled = hf.get('tie_word_embeddings', True)
+    fields.setdefault('scale_decoder_outputs', scaled)
+    config = T5Config(**fields)
+    with torch.device("meta"):
+        ours = {theirs: name for name, theirs in hf_names(T5(config))}
+    state_dict = {ours.get(k, k): v for k, v in state_dict.items()
+                  if k not in HF_REDUNDANT}
+    state_dict['lm_head.weight'] = lm_head
+    return config, state_dict, tokenizer
+
+def save_pretrained(model, folder, tokenizer=None):
+    """config.json and model.safetensors, which transformers'
+    T5ForConditionalGeneration reads, and the tokenizer (its file's bytes;
+    None: T5's), recorded in config.json: a sentencepiece model as
+    spiece.model, a BPE's ranks as tokenizer.tiktoken and as transformers'
+    tokenizer.json. Each file written whole, config.json last: a folder
+    without it is no weights."""
+    from safetensors.torch import save
+    c = model.config
+    state_dict = model.state_dict()
+    tensors = {theirs: state_dict[name].contiguous()
+               for name, theirs in hf_names(model)
+               # tied, lm_head is shared.weight
+               if not (c.tie_word_embeddings and name == 'lm_head.weight')}
+    hf = {HF_CONFIG_NAMES.get(k, k): v
+          for k, v in dataclasses.asdict(c).items()}
+    hf.update(architectures=['T5ForConditionalGeneration'], model_type='t5',
+              feed_forward_proj='gated-gelu', dense_act_fn='gelu_new',
+              is_gated_act=True, is_encoder_decoder=True,
+              initializer_factor=1.0, use_cache=True,
+              scale_decoder_outputs=c.output_scaling != 1.0)
+    os.makedirs(folder, exist_ok=True)
+    if tokenizer:
+        hf['tokenizer_sha256'] = hashlib.sha256(tokenizer).hexdigest()
+        bpe = TIKTOKEN_LINE.match(tokenizer)
+        name = 'tokenizer.tiktoken' if bpe else 'spiece.model'
+        with atomic_write(os.path.join(folder, name)) as f:
+            f.write(tokenizer)
+        if bpe:
+            save_hf_tokenizer(Tokenizer(tokenizer), folder)
+    with atomic_write(os.path.join(folder, 'model.safetensors')) as f:
+        f.write(save(tensors, metadata={'format': 'pt'}))
+    with atomic_write(os.path.join(folder, 'config.json'), 'w') as f:
+        json.dump(hf, f, indent=2)
+
+def save_hf_tokenizer(tok, folder):
+    """A BPE tokenizer as transformers' AutoTokenizer reads it:
+    tokenizer.json, by transformers' converter, and tokenizer_config.json;
+    <|endoftext|> and the sentinels special at their ids, EOS appended to a
+    text's ids as T5's tokenizer does"""
+    from tokenizers.processors import TemplateProcessing
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class RanksConverter(TikTokenConverter):  # tiktoken caches files by path
+        def load_tiktoken_bpe(self, data):
+            return read_ranks(data)  # from memory
+    eos = "<|endoftext|>"
+    sentinels = [f"<extra_id_{i}>" for i in reversed(range(NUM_SENTINELS))]
+    converter = RanksConverter(tok.data, BPE_PATTERN,
+                               extra_special_tokens=[eos, *sentinels])
+    converted = converter.converted()
+    converted.post_processor = TemplateProcessing(
+        single=f"$A {eos}", special_tokens=[(eos, tok.eos_id)])
+    with atomic_write(os.path.join(folder, 'tokenizer.json'), 'w') as f:
+        f.write(converted.to_str())
+    config = dict(tokenizer_class='PreTrainedTokenizerFast', eos_token=eos,
+                  pad_token=eos)
+    path = os.path.join(folder, 'tokenizer_config.json')
+    with atomic_write(path, 'w') as f:
+        json.dump(config, f, indent=2)
+
+def download(repo_id):
+    """a Hub model's folder in the HF cache: config.json and the weights"""
+    if (os.path.exists(repo_id) or repo_id.startswith(('.', '/', '~'))
+            or repo_id.count('/') != 1):
+        raise SystemExit(NOTHING_THERE.format(repo_id, ""))
+    from huggingface_hub import snapshot_download
+    # offline, an unknown or a gated repo: in seconds, not minutes of retries
+    try:
+        # safetensors, else the older format
+        for weights in ('*.safetensors', 'pytorch_model*.bin'):
+            files = ['config.json', 'spiece.model', 'tokenizer.tiktoken',
+                     weights]
+            folder = snapshot_download(repo_id, allow_patterns=files,
+                                       etag_timeout=5)
+            if glob.glob(os.path.join(folder, weights)):
+                break
+    except Exception as e:
+        hub = f", here or on the Hugging Face Hub ({type(e).__name__})"
+        raise SystemExit(NOTHING_THERE.format(repo_id, hub)) from None
+    return folder
+
+def read_weights_file(folder):
+    """every tensor of the checkpoint in folder (sharded or not),
+    safetensors preferred, each mapped from its file: memory holds what
+    is used, when it is"""
+    files = (sorted(glob.glob(f'{folder}/*.safetensors'))
+             or glob.glob(f'{folder}/pytorch_model*.bin'))
+    if not files:
+        raise SystemExit(f"error: no model.safetensors or pytorch_model.bin "
+                         f"in {folder}")
+    if files[0].endswith('.safetensors'):
+        from safetensors.torch import load_file  # which maps them
+        return {k: v for f in files for k, v in load_file(f).items()}
+    # an old file, not a zip, is read whole
+    mapped = [torch.load(f, map_location='cpu', weights_only=True,
+                         mmap=zipfile.is_zipfile(f)) for f in files]
+    return {k: v for state_dict in mapped for k, v in state_dict.items()}
