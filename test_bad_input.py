@@ -66,7 +66,8 @@ CASES = [
       "'mean_noise_span_length' is 0.5; it must be >= 1", "'input_length' is 0; it must be >= 3",
       "'grad_accum_steps' is 0; it must be > 0", "'log_interval' is 0", "'checkpoint_interval' is -5",
       "'eval_steps' is 0; it must be > 0", "'max_steps' is 0; it must be > 0", "'dropout' is 1.0; it must be in [0, 1)",
-      "'grad_clip' is -1.0; it must be >= 0", "one of adamwscale, adamw", "'model' is 't5-tiy'; it must be one of t5-mini, t5-tiny",
+      "'grad_clip' is -1.0; it must be >= 0", "one of adamwscale, adamw",
+      "'model' is 't5-tiy'; it must be one of t5-mini, t5-tiny",
       "'batch_size' is 0", "'eval_interval' is 0", "'time_budget_hours' is -1.0"], "undo"),
     # values that trained silently wrong (a negative lr, weights that grow, a flag that meant nothing) or failed
     # obscurely (a seed numpy refuses, an out_dir that is a file or empty), or never ended (an evaluation that reads
@@ -151,7 +152,8 @@ CASES = [
     ("prepare vocab_size below the corpus's characters", [*PREPARE, "--out_dir={tmp}/data", "--vocab_size=3"],
      "is smaller than required_chars: use --vocab_size=", "follow"),
     # 6. sample.py and export.py take only what they can use (test_sample.py: each sentinel mistake)
-    ("export into a non-empty folder", [*EXPORT, "--out_dir={results}"], "is not an empty folder, and export.py", "undo"),
+    ("export into a non-empty folder", [*EXPORT, "--out_dir={results}"], "is not an empty folder, and export.py",
+     "undo"),
     ("export Hugging Face weights", [*EXPORT, "--init_from={hfweights}"], "is not a run of train.py or finetune.py",
      "undo"),
     # 7. a new run is the shape of the weights it starts from

@@ -222,7 +222,8 @@ def test_ranks_that_find_other_checkpoints_stop_together(runs, data_dir, tmp_pat
 
 
 @pytest.mark.parametrize("script", ["train.py", "finetune.py"])
-def test_ranks_that_find_another_run_to_start_from_stop_together(runs, data_dir, sni_dir, tmp_path, script):  # noqa: F811
+def test_ranks_that_find_another_run_to_start_from_stop_together(runs, data_dir, sni_dir, tmp_path,  # noqa: F811
+                                                                  script):
     # --init_from=run, a relative path each node resolves in a folder of its own: node 0 finds the run's newest
     # checkpoint, node 1 an older one (a save or a prune it has not seen yet). Every rank agrees on the path before
     # any rank reads it, and ends with the line (before, each loaded its own, and the ranks trained from different

@@ -283,7 +283,8 @@ import checkpoint, distributed, optim, torch
 distributed.TRAIN_TIMEOUT = {train_timeout}
 rank = int(os.environ.get("RANK", 0))
 lrs, collectives, watched = [], [0], [0]
-make_optimizer, clip_grad_norm, save_checkpoint = optim.make_optimizer, distributed.clip_grad_norm, checkpoint.save_checkpoint
+make_optimizer, save_checkpoint = optim.make_optimizer, checkpoint.save_checkpoint
+clip_grad_norm = distributed.clip_grad_norm
 
 def recording_make_optimizer(*args, **kwargs):
     optimizer = make_optimizer(*args, **kwargs)
@@ -620,7 +621,8 @@ def test_a_finished_run_stays_finished(data_dir, tmp_path):
     # pruned the run's final checkpoint); --init_from=resume is one line that names the key to raise
     out = str(tmp_path / "out")
     args = ["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=1000000",
-            "--time_budget_hours=0.0003", "--eval_interval=1000000", "--checkpoint_interval=1000000", "--init_from=auto"]
+            "--time_budget_hours=0.0003", "--eval_interval=1000000", "--checkpoint_interval=1000000",
+            "--init_from=auto"]
     assert run(args).returncode == 0
     step, files, log = saved_step(out), checkpoint_bytes(out), open(os.path.join(out, "log.jsonl")).read()
     for _ in range(2):
