@@ -6,14 +6,16 @@ The training-time data path: a prepared folder's windows of tokens, span-corrupt
     input_ids, labels = data.get(step)  # (16, 128) and (16, 29): the batch of any step, at any time
 """
 import functools
+import hashlib
 import os
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from prepare import NUM_SENTINELS, load_meta, prepare_command, shard_name
+from prepare import NUM_SENTINELS, load_meta, prepare_again, shard_name
 
 # span corruption, as T5 does it (t5.data.preprocessors)
 
@@ -156,18 +158,24 @@ class SpanCorruptionBatches:
         files = self.meta["shards" if split == "train" else "val"]
         self.paths = [os.path.join(data_dir, shard_name(split, i))
                       for i in range(len(files))]
-        for path, tokens in zip(self.paths,
-                                [file["tokens"] for file in files]):
-            if not os.path.isfile(path) or os.path.getsize(path) != 2 * tokens:
+        self.again = prepare_again(self.meta["settings"], data_dir)
+        # each shard's contents against meta.json's sha256: at once if it
+        # was written after meta.json (a stat each: start-up stays short),
+        # else in ShardCheck's thread (bit rot, a copy that kept its times)
+        written = os.path.getmtime(os.path.join(data_dir, "meta.json"))
+        self.unchecked = []
+        for path, file in zip(self.paths, files):
+            if (not os.path.isfile(path)
+                    or os.path.getsize(path) != 2 * file["tokens"]):
                 raise SystemExit(
-                    f"error: {path} is not the {tokens:,} tokens meta.json "
-                    f"says (lost or cut): delete {data_dir} and prepare it "
-                    f"again with "
-                    f"`{prepare_command(self.meta['settings'], data_dir)}`")
+                    f"error: {path} is not the {file['tokens']:,} tokens "
+                    f"meta.json says (lost or cut): {self.again}")
+            if os.path.getmtime(path) > written:
+                self.check(path, file["sha256"])
+            else:
+                self.unchecked.append((path, file["sha256"]))
         self.shards = [np.memmap(path, dtype=np.uint16, mode="r")
                        for path in self.paths]
-        # shards whose ids were checked, on first read
-        self.checked = set()
         # disjoint windows per shard
         windows = [len(s) // self.raw_length for s in self.shards]
         self.num_windows = sum(windows)
@@ -204,14 +212,6 @@ class SpanCorruptionBatches:
         rows = range(first_row, first_row + b)
         shards, starts = self.window_of(
             step * self.batch_size + np.array(rows))
-        for s in set(shards.tolist()) - self.checked:
-            largest = largest_id(self.paths[s])
-            if largest >= self.meta["vocab_size"]:
-                raise SystemExit(
-                    f"error: {self.paths[s]} holds token id {largest}, beyond "
-                    f"its tokenizer's {self.meta['vocab_size']} ids: it is "
-                    f"another tokenizer's")
-            self.checked.add(s)
         raw = np.stack([self.shards[s][i: i + self.raw_length]
                         for s, i in zip(shards, starts)])
         stream = ([self.seed, TRAIN_SPANS] if self.split == "train"
@@ -224,14 +224,40 @@ class SpanCorruptionBatches:
         return (torch.from_numpy(inputs).to(device),
                 torch.from_numpy(targets).to(device))
 
-def largest_id(path, chunk_bytes=1 << 24):
-    """read in chunks: a memmap's max() would keep the whole shard resident"""
-    largest = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            ids = np.frombuffer(chunk, dtype=np.uint16)
-            largest = max(largest, int(ids.max()))
-    return largest
+    def check(self, path, sha256, chunk_bytes=1 << 20):
+        """the shard at path holds the ids prepare.py wrote: read in chunks,
+        as a memmap's max() would keep it resident"""
+        largest, digest = 0, hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                digest.update(chunk)
+                largest = max(largest, int(np.frombuffer(chunk, np.uint16).max()))
+        if largest >= self.meta["vocab_size"]:
+            raise SystemExit(
+                f"error: {path} holds token id {largest}, beyond its "
+                f"tokenizer's {self.meta['vocab_size']} ids: it is another "
+                f"tokenizer's")
+        if digest.hexdigest() != sha256:
+            raise SystemExit(
+                f"error: {path} is not the shard meta.json records (its "
+                f"sha256 differs): put the file back, or {self.again}")
+
+class ShardCheck(threading.Thread):
+    """The streams' shards that start-up did not check, once, in a thread
+    that the run's end does not wait for; errors gets what it finds, for
+    the sync steps to read."""
+    def __init__(self, *streams):
+        super().__init__(daemon=True)
+        self.streams, self.errors = streams, []
+        self.start()
+
+    def run(self):
+        try:
+            for stream in self.streams:
+                for path, sha256 in stream.unchecked:
+                    stream.check(path, sha256)
+        except SystemExit as e:
+            self.errors.append(e)
 
 class Prefetcher:
     """get(step): this rank's micro-batches of step, dicts of input_ids and

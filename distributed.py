@@ -74,6 +74,9 @@ def sum_over_ranks(rt, t):  # a tensor, summed over the ranks in place
 
 # the model as it trains: one process, DDP, or FSDP
 
+def blocks(model):  # the encoder's, then the decoder's
+    return [*model.encoder.blocks, *model.decoder.blocks]
+
 def wrap_model(model, rt, fsdp=False, compile=False,
                activation_checkpointing=False, shard_across_nodes=False,
                dynamic=None):
@@ -86,7 +89,7 @@ def wrap_model(model, rt, fsdp=False, compile=False,
         apply_activation_checkpointing(model)
     if fsdp:
         if compile:
-            for block in [*model.encoder.blocks, *model.decoder.blocks]:
+            for block in blocks(model):
                 block.compile(dynamic=dynamic)
         shard_model(model, rt, shard_across_nodes)
         return model.to_empty(device=rt.device)
@@ -102,7 +105,7 @@ def wrap_model(model, rt, fsdp=False, compile=False,
 def apply_activation_checkpointing(model):
     """each block keeps only its input for backward, which runs it again;
     before compiling: the compiler sees that run too"""
-    for block in [*model.encoder.blocks, *model.decoder.blocks]:
+    for block in blocks(model):
         block.forward = functools.partial(checkpoint, block.forward,
                                           use_reentrant=False)
 
@@ -132,7 +135,7 @@ def shard_model(model, rt, shard_across_nodes=False):
     for name, module in model.named_modules():
         if name.endswith("relative_attention_bias"):
             fully_shard(module, mesh=mesh)
-    for block in [*model.encoder.blocks, *model.decoder.blocks]:
+    for block in blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     for block in model.decoder.blocks:  # generate() calls it outside forward()
         register_fsdp_forward_method(block, "encoder_kv")
@@ -295,15 +298,16 @@ class Sync:
             copied.synchronize()  # long done: two steps ago
         return on_host.item() > 0
 
-    def agree(self, loss, elapsed):
+    def agree(self, loss, elapsed, errors=()):
         """at a sync step: the mean loss over the ranks, rank 0's elapsed
         seconds, and whether any rank saw a NaN or inf since the last sync
-        step (diverged), or a signal (signalled)"""
+        step (diverged), a signal (signalled), or errors (damaged)"""
         mine = elapsed if self.rt.master else 0.0  # the others add 0
-        values = (loss / self.rt.world_size, self.nonfinite, self.caught, mine)
-        loss, nonfinite, signalled, elapsed = summed(self.rt, values)
+        values = (loss / self.rt.world_size, self.nonfinite, self.caught, mine,
+                  len(errors))
+        loss, nonfinite, signalled, elapsed, damaged = summed(self.rt, values)
         self.nonfinite = 0
-        return SimpleNamespace(loss=loss, elapsed=elapsed,
+        return SimpleNamespace(loss=loss, elapsed=elapsed, damaged=damaged,
                                diverged=nonfinite > 0, signalled=signalled > 0)
 
     def release(self):  # after the loop: a signal stops the program at once

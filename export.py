@@ -1,7 +1,7 @@
 """
 Exports a run of train.py or finetune.py in Hugging Face's format:
 config.json, model.safetensors and the tokenizer its checkpoint carries
-(spiece.model; a BPE's tokenizer.tiktoken, and tokenizer.json for
+(spiece.model or a BPE's tokenizer.tiktoken, and tokenizer.json for
 transformers' AutoTokenizer), which transformers'
 T5ForConditionalGeneration and sample.py read back as the run.
     python export.py --init_from=out/t5_tiny --out_dir=out/t5_tiny_hf

@@ -217,6 +217,7 @@ if __name__ == "__main__":
         ("optimizer", optimizer in OPTIMIZERS,
          f"one of {', '.join(OPTIMIZERS)}"),
         ("out_dir", out_dir and not os.path.isfile(out_dir), "a folder's path"),
+        ("data_dir", not os.path.isfile(data_dir), "a folder's path"),
         ("dropout", 0 <= dropout < 1, "in [0, 1)"),
         ("grad_clip", grad_clip >= 0, ">= 0 (0: no clipping)"),
         ("max_steps", max_steps >= 0, ">= 0 (0: epochs)"),
@@ -285,11 +286,14 @@ if __name__ == "__main__":
     # what its checkpoints record besides the state: the pre-training
     # data's meta, the tokenizer, the wandb run (a resume continues it)
     wandb_id = ckpt.get("wandb_id") if resuming else None
-    run = dict(program="finetune.py", config=config, meta=ckpt["meta"],
-               tokenizer=tokenizer.data, wandb_id=wandb_id)
+    # the weights it fine-tunes, which metrics.json names: a step folder, HF's
+    weights = ckpt["weights"] if resuming else ckpt.get("shards", init_from)
+    identity = dict(program="finetune.py", config=config)
+    run = dict(identity, meta=ckpt["meta"], tokenizer=tokenizer.data,
+               wandb_id=wandb_id, weights=weights)
     ckpt = None  # free the checkpoint's copy of the weights
     logger = runtime.Logger(out_dir, rt.master, step if resuming else None,
-                            dict(program="finetune.py", config=config))
+                            identity)
     if wandb_log:
         run["wandb_id"] = logger.start_wandb(wandb_project, wandb_run_name,
                                              config, wandb_id)
@@ -333,7 +337,7 @@ if __name__ == "__main__":
                         prediction=texts[i], references=ex["references"])
                    for i, ex in enumerate(test_examples)]
         metrics = dict(compute_metrics(records), step=step,
-                       init_from=init_from)
+                       init_from=weights, tokenizer_sha256=tokenizer.sha256)
         path = os.path.join(out_dir, "predictions.jsonl")
         with atomic_write(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)

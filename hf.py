@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import zipfile
+from types import SimpleNamespace
 
 import torch
 
@@ -104,9 +105,9 @@ def save_pretrained(model, folder, tokenizer=None):
     """config.json and model.safetensors, which transformers'
     T5ForConditionalGeneration reads, and the tokenizer (its file's bytes;
     None: T5's), recorded in config.json: a sentencepiece model as
-    spiece.model, a BPE's ranks as tokenizer.tiktoken and as transformers'
-    tokenizer.json. Each file written whole, config.json last: a folder
-    without it is no weights."""
+    spiece.model, a BPE's ranks as tokenizer.tiktoken, either as
+    transformers' tokenizer.json too. Each file written whole, config.json
+    last: a folder without it is no weights."""
     from safetensors.torch import save
     c = model.config
     state_dict = model.state_dict()
@@ -128,35 +129,46 @@ def save_pretrained(model, folder, tokenizer=None):
         name = 'tokenizer.tiktoken' if bpe else 'spiece.model'
         with atomic_write(os.path.join(folder, name)) as f:
             f.write(tokenizer)
-        if bpe:
-            save_hf_tokenizer(Tokenizer(tokenizer), folder)
+        save_hf_tokenizer(Tokenizer(tokenizer), folder)
     with atomic_write(os.path.join(folder, 'model.safetensors')) as f:
         f.write(save(tensors, metadata={'format': 'pt'}))
     with atomic_write(os.path.join(folder, 'config.json'), 'w') as f:
         json.dump(hf, f, indent=2)
 
 def save_hf_tokenizer(tok, folder):
-    """A BPE tokenizer as transformers' AutoTokenizer reads it:
-    tokenizer.json, by transformers' converter, and tokenizer_config.json;
-    <|endoftext|> and the sentinels special at their ids, EOS appended to a
-    text's ids as T5's tokenizer does"""
+    """The tokenizer as transformers' AutoTokenizer reads it on a plain
+    install (no protobuf, no tiktoken): tokenizer.json, by transformers'
+    converter from the spiece.model or ranks in folder, and
+    tokenizer_config.json; the sentinels special at their ids, EOS appended
+    to a text's ids as T5's tokenizer does"""
+    from tokenizers import AddedToken
     from tokenizers.processors import TemplateProcessing
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+    from transformers.convert_slow_tokenizer import (SpmConverter,
+                                                     TikTokenConverter)
 
     class RanksConverter(TikTokenConverter):  # tiktoken caches files by path
         def load_tiktoken_bpe(self, data):
             return read_ranks(data)  # from memory
-    eos = "<|endoftext|>"
+
+    class SpiecesConverter(SpmConverter):  # protobuf reads the model
+        special_tokens = ()
     sentinels = [f"<extra_id_{i}>" for i in reversed(range(NUM_SENTINELS))]
-    converter = RanksConverter(tok.data, BPE_PATTERN,
-                               extra_special_tokens=[eos, *sentinels])
-    converted = converter.converted()
+    if tok.tiktoken:  # EOS is a token of its own, after the ranks
+        converted = RanksConverter(tok.data, BPE_PATTERN).converted()
+        eos = pad = "<|endoftext|>"
+        sentinels.insert(0, eos)
+    else:
+        path = os.path.join(folder, 'spiece.model')
+        converted = SpiecesConverter(SimpleNamespace(vocab_file=path)).converted()
+        eos, pad = map(tok.sp.id_to_piece, (tok.eos_id, tok.pad_id))
+    converted.add_special_tokens([AddedToken(s, normalized=False)
+                                  for s in sentinels])
     converted.post_processor = TemplateProcessing(
         single=f"$A {eos}", special_tokens=[(eos, tok.eos_id)])
     with atomic_write(os.path.join(folder, 'tokenizer.json'), 'w') as f:
         f.write(converted.to_str())
     config = dict(tokenizer_class='PreTrainedTokenizerFast', eos_token=eos,
-                  pad_token=eos)
+                  pad_token=pad)
     path = os.path.join(folder, 'tokenizer_config.json')
     with atomic_write(path, 'w') as f:
         json.dump(config, f, indent=2)
@@ -167,6 +179,7 @@ def download(repo_id):
             or repo_id.count('/') != 1):
         raise SystemExit(NOTHING_THERE.format(repo_id, ""))
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
     # offline, an unknown or a gated repo: in seconds, not minutes of retries
     try:
         # safetensors, else the older format
@@ -177,6 +190,11 @@ def download(repo_id):
                                        etag_timeout=5)
             if glob.glob(os.path.join(folder, weights)):
                 break
+    except LocalEntryNotFoundError:  # offline, or the Hub out of reach
+        raise SystemExit(f"error: {repo_id} holds no run or weights, here or "
+                         f"on the Hugging Face Hub, which can't be reached: "
+                         f"connect, or pass a folder of its config.json and "
+                         f"model.safetensors as --init_from=<folder>") from None
     except Exception as e:
         hub = f", here or on the Hugging Face Hub ({type(e).__name__})"
         raise SystemExit(NOTHING_THERE.format(repo_id, hub)) from None

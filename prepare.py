@@ -10,6 +10,7 @@ out_dir gets train_000.bin, ..., val.bin, the tokenizer and meta.json (what
 each file holds); killed, the same command resumes after the last full shard.
 """
 import base64
+import glob
 import hashlib
 import io
 import itertools
@@ -99,6 +100,9 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000,
                 f"or delete it to start over")
         if meta["complete"]:
             return load_meta(out_dir)
+        # what a writer killed before its rename left (the folder is ours)
+        for tmp in glob.glob(os.path.join(glob.escape(out_dir), "*.tmp")):
+            os.remove(tmp)
 
     def docs(split):
         return documents(dataset, split, text_field, val_fraction)
@@ -176,10 +180,14 @@ def write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens,
 
     def write(next_doc, next_offset):
         path = os.path.join(out_dir, shard_name(split, len(shards)))
+        sha256 = hashlib.sha256()  # what a run checks the shard against
         with atomic_write(path) as f:
-            f.writelines(piece.tobytes() for piece in pieces)
+            for piece in pieces:
+                sha256.update(piece)
+                f.write(piece)
         shards.append({"tokens": filled, "next_doc": next_doc,
-                       "next_offset": next_offset})
+                       "next_offset": next_offset,
+                       "sha256": sha256.hexdigest()})
         save()
     chunks = encoded_chunks(itertools.islice(docs, doc, None), tok, num_threads)
     total = max_tokens if max_tokens < math.inf else None
@@ -495,6 +503,10 @@ def prepare_command(settings, data_dir):
     return (f"python prepare.py {' '.join(flags)} "
             f"--out_dir={shlex.quote(data_dir)}")
 
+def prepare_again(settings, data_dir):  # the fix for a damaged folder
+    return (f"delete {data_dir} and prepare it again with "
+            f"`{prepare_command(settings, data_dir)}`")
+
 def load_meta(data_dir, run_meta=None):
     """a complete prepared folder's meta.json, with data_dir, source and
     counts. run_meta: that of a run's training data, which a missing folder's
@@ -516,10 +528,13 @@ def load_meta(data_dir, run_meta=None):
         raise SystemExit(
             f"error: {data_dir} is not completely prepared: finish it with "
             f"`{prepare_command(meta['settings'], data_dir)}`")
+    if any("sha256" not in file for file in meta["shards"] + meta["val"]):
+        raise SystemExit(f"error: {data_dir} was prepared before meta.json "
+                         f"recorded each shard's sha256: "
+                         f"{prepare_again(meta['settings'], data_dir)}")
     meta.update(data_dir=os.path.abspath(data_dir),
                 source=meta["settings"]["dataset"])
-    # load_tokenizer checks the file against meta.json
-    meta.setdefault("tokenizer_sha256", load_tokenizer(meta).sha256)
+    load_tokenizer(meta)  # the file meta.json records, or refused
     for split, files in (("train", meta["shards"]), ("val", meta["val"])):
         meta[f"{split}_tokens"] = sum(file["tokens"] for file in files)
         cut = files[-1]["next_offset"] > 0  # the last file ends mid-document
@@ -531,17 +546,13 @@ def load_tokenizer(meta):
     mean other pieces; a wrong EOS would end every row with another token."""
     path = os.path.join(meta["data_dir"], meta["tokenizer_file"])
     tok = read_tokenizer(path)
-    # a meta.json from before sha256s: the file's own
-    recorded = dict(tok.identity(), **meta)
-    wrong = [f"{key} {recorded[key]} in meta.json, {value} in the tokenizer"
-             for key, value in tok.identity().items()
-             if recorded[key] != value]
+    wrong = [f"{key} {meta[key]} in meta.json, {value} in the tokenizer"
+             for key, value in tok.identity().items() if meta[key] != value]
     if wrong:
         raise SystemExit(
             f"error: {path} is not the tokenizer {meta['data_dir']}/meta.json "
-            f"records ({wrong[0]}): delete {meta['data_dir']} and prepare it "
-            f"again with "
-            f"`{prepare_command(meta['settings'], meta['data_dir'])}`")
+            f"records ({wrong[0]}): "
+            f"{prepare_again(meta['settings'], meta['data_dir'])}")
     return tok
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from checkpoint import save_checkpoint
@@ -42,8 +43,9 @@ BASES = (TRAIN, FINETUNE, PREPARE, BENCH, SAMPLE, EXPORT)
 # (name, command, words the error line must contain (or a list: a line each), its fix). In commands, {tmp} is the
 # case's own empty folder, and each case gets its own copy of the places in OWN_COPIES it names: {run} (a train.py
 # run with a checkpoint), {ftrun} (a finetune.py run with one), {prepared} (a prepared folder), copies with a shard
-# cut short ({short}), with another folder's tokenizer.model ({swapped}) and with meta.json's EOS id edited
-# ({edited}), and tiny Hugging Face weights without their tokenizer ({nospiece}). The others are shared: {data} the
+# cut short ({short}), with another folder's tokenizer.model ({swapped}), with meta.json's EOS id edited
+# ({edited}), with a shard's ids shuffled ({overwritten}; {rotten}: its time kept), and tiny Hugging Face weights
+# without their tokenizer ({nospiece}). The others are shared: {data} the
 # prepared folder, {otherdata} a folder of another corpus prepared with a tokenizer of the same vocab, {ckpt} a run to
 # fine-tune, {hfweights} Hugging Face weights, {miniweights} t5-mini's, {bigvocab} weights of a vocab {data}'s
 # tokenizer beside them does not make, {bigvocabrun} a run of such a model, {sni} an SNI clone, {corpus} the text
@@ -125,6 +127,12 @@ CASES = [
     # 3. a shard is checked when a run opens it
     ("train shard cut short", [*TRAIN, "--data_dir={short}"], "tokens meta.json says (lost or cut)",
      "prepare again"),
+    # a shard is what meta.json's sha256 says: overwritten after meta.json, checked at start-up; its bytes rotten with
+    # its time kept, in the background, which stops the run at its next sync step, before it saves
+    ("train shard overwritten", [*TRAIN, "--data_dir={overwritten}"], "is not the shard meta.json records",
+     "prepare again"),
+    ("train shard rotten", [*TRAIN, "--data_dir={rotten}"], "train_000.bin is not the shard meta.json records",
+     "prepare again"),
     # a resume whose data folder is gone names its own data, which its checkpoint records
     ("train resume whose data is gone", [*TRAIN, "--data_dir={tmp}/gone"],
      "gone holds no prepared data (no meta.json): prepare it with `python prepare.py --dataset=", "prepare again"),
@@ -140,6 +148,8 @@ CASES = [
     ("train resume at max_steps", [*TRAIN, "--max_steps=1"], "is at step 1 of max_steps=1", "undo"),
     # 5. a path names what the command needs (test_prepare.py: a corpus not found, without the text field, prepared
     # with other settings; test_train.py: data_dir without data; test_finetune.py: data_dir without SNI)
+    ("train data_dir a file", [*TRAIN, "--data_dir={corpus}"], "'data_dir' is", "undo"),
+    ("finetune data_dir a file", [*FINETUNE, "--data_dir={corpus}"], "'data_dir' is", "undo"),
     ("train init_from Resume", [*TRAIN, "--out_dir={tmp}/out", "--init_from=Resume"],
      "did you mean --init_from=resume?", "undo"),
     ("train init_from a file that is no checkpoint", [*TRAIN, "--out_dir={tmp}/out", "--init_from={corpus}"],
@@ -163,6 +173,9 @@ CASES = [
     ("sample an export without spiece.model", [*SAMPLE, "--init_from={nospiece}", "--text=a <extra_id_0> b"],
      "holds no spiece.model", lambda places, line: shutil.copy(os.path.join(places["data"], "tokenizer.model"),
                                                                os.path.join(places["nospiece"], "spiece.model"))),
+    # a Hub name offline, or with the Hub out of reach: the line says so, and how to pass weights that are here
+    ("sample a Hub name offline", [*SAMPLE, "--init_from=google/t5-v1_1-base", "--text=a <extra_id_0> b"],
+     "which can't be reached: connect, or pass a folder of its config.json", ["--init_from={hfweights}"]),
     ("sample a tokenizer of fewer ids than the model", [*SAMPLE, "--init_from={bigvocab}", "--text=a <extra_id_0>"],
      "is not the model's: its 164 ids", "undo"),
     ("export a run whose tokenizer is not its model's", [*EXPORT, "--init_from={bigvocabrun}"], "is not the model's",
@@ -176,7 +189,7 @@ CASES = [
     ("train data whose meta.json EOS was edited", [*TRAIN, "--data_dir={edited}"],
      "(eos_id 5 in meta.json, 1 in the tokenizer)", "undo"),
 ]
-OWN_COPIES = ("run", "ftrun", "prepared", "short", "swapped", "edited", "nospiece")
+OWN_COPIES = ("run", "ftrun", "prepared", "short", "swapped", "edited", "nospiece", "overwritten", "rotten")
 SHARED = ("data", "otherdata", "results", "hfweights", "miniweights", "bigvocab", "bigvocabrun", "byfile")
 
 WORDS = ("the of and to in is was for on that with as by at from his her which an were are this be had not river city "
@@ -214,11 +227,13 @@ def tiny_t5(meta, vocab_size=None):
 
 
 def tiny_checkpoint(out_dir, meta, config, optimizer, program="train.py", vocab_size=None):
-    """a checkpoint in train.py's format of a very small T5, at step 1"""
+    """a checkpoint in the format of program (train.py's or finetune.py's, which names the weights it fine-tunes)
+    of a very small T5, at step 1"""
     t5 = tiny_t5(meta, vocab_size)
     opt = make_optimizer(optimizer, param_groups(t5, 0.0), 1e-3)
     with open(os.path.join(meta["data_dir"], "tokenizer.model"), "rb") as f:
-        run = dict(program=program, config=dict(config, optimizer=optimizer), meta=meta, tokenizer=f.read())
+        run = dict(program=program, config=dict(config, optimizer=optimizer), meta=meta, tokenizer=f.read(),
+                   weights="out/pretrained/ckpt/step-1")
     save_checkpoint(str(out_dir), t5, opt, 1, 0.0, run)
 
 
@@ -241,6 +256,13 @@ def places(tmp_path_factory):
     otherdata = str(root / "otherdata")
     prepare(dataset=write_corpus(root / "other.jsonl", 400, seed=1), tokenizer="train", out_dir=otherdata,
             vocab_size=64)
+
+    def overwrite_shard(folder, keep_time=False):  # with ids of its own tokenizer: the same size
+        path = folder / "train_000.bin"
+        stat = os.stat(path)
+        np.random.default_rng(0).permutation(np.fromfile(path, dtype=np.uint16)).tofile(path)
+        if keep_time:  # as bit rot, or a copy that kept the file's time, leaves it
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
     def swap_tokenizer(folder):
         shutil.copy(os.path.join(otherdata, "tokenizer.model"), folder / "tokenizer.model")
@@ -279,6 +301,8 @@ def places(tmp_path_factory):
                 bad=str(bad), short=copy_data(data, root / "short", cut_shard), otherdata=otherdata,
                 swapped=copy_data(data, root / "swapped", swap_tokenizer),
                 edited=copy_data(data, root / "edited", edit_eos), root=str(root),
+                overwritten=copy_data(data, root / "overwritten", overwrite_shard),
+                rotten=copy_data(data, root / "rotten", lambda folder: overwrite_shard(folder, keep_time=True)),
                 **{name: str(root / name) for name in ("run", "ftrun", "results", "hfweights", "miniweights",
                                                        "bigvocab", "nospiece", "bigvocabrun")})
 

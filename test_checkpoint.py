@@ -14,7 +14,7 @@ from hf import save_pretrained
 import runtime
 from model import T5, T5Config
 from optim import AdamWScale
-from prepare import T5_SPIECE_SHA256
+from prepare import T5_SPIECE_SHA256, train_spiece
 from runtime import atomic_write
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
@@ -227,8 +227,9 @@ def test_an_export_names_its_tokenizer_and_reads_no_other(tmp_path):
     # config.json records the spiece.model's sha256: a replaced or lost spiece.model is refused, where T5's would
     # otherwise be read in its place, silently, for a vocab of T5's size
     t5 = T5(T5Config(vocab_size=256, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2))
-    save_pretrained(t5, str(tmp_path / "hf"), tokenizer=b"our tokenizer")
-    assert C.load(str(tmp_path / "hf"))["tokenizer"] == b"our tokenizer"
+    ours = train_spiece(["the quick brown fox jumps over the lazy dog " * 3] * 50, 30)  # a tokenizer of our own
+    save_pretrained(t5, str(tmp_path / "hf"), tokenizer=ours)
+    assert C.load(str(tmp_path / "hf"))["tokenizer"] == ours
     (tmp_path / "hf" / "spiece.model").write_bytes(b"another tokenizer")
     with pytest.raises(SystemExit, match="spiece.model is not the tokenizer its config.json records"):
         C.load(str(tmp_path / "hf"))

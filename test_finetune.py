@@ -3,6 +3,7 @@ finetune.py on a made-up Super-Natural-Instructions clone: the task-file parser,
 Rouge-L against the rouge-score package, and fine-tuning plus evaluation run end to end as a user runs them.
 """
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, 
 from hf import save_pretrained
 from checkpoint import tokenizer_of
 from prepare import prepare
-from test_train import wandb_runs
+from test_train import saved_step, wandb_runs
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
@@ -221,6 +223,26 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
         metrics = json.load(f)
     assert metrics["rougeL"] == pytest.approx(sum(rouge) / 10)
     assert metrics["num_examples"] == 10 and metrics["step"] == 5
+    # it names the weights it fine-tuned, and their tokenizer
+    tokenizer = load_checkpoint(find_checkpoint(ckpt_path), weights=False)["tokenizer"]
+    assert metrics["init_from"] == find_checkpoint(ckpt_path)
+    assert metrics["tokenizer_sha256"] == hashlib.sha256(tokenizer).hexdigest()
+    # killed after a checkpoint and resumed, the same run writes the same metrics.json: --init_from=resume is the
+    # weights the run started from
+    cut = str(tmp_path / "cut")
+    proc = subprocess.Popen([sys.executable, "finetune.py", *common, f"--init_from={ckpt_path}", f"--out_dir={cut}",
+                             "--batch_size=4", "--epochs=1", "--lr=1e-3", "--checkpoint_interval=2",
+                             "--eval_interval=1"], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proc.poll() is None and not os.path.exists(os.path.join(cut, "ckpt", "step-2", ".metadata")):
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    assert saved_step(cut) in (2, 4)
+    r = run([*common, "--init_from=resume", f"--out_dir={cut}", "--batch_size=4", "--epochs=1", "--lr=1e-3"])
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(cut, "metrics.json")) as f:
+        assert json.load(f) == metrics
 
     # the same weights in Hugging Face's layout, with the tokenizer as spiece.model beside them, evaluate the same
     ckpt = load_checkpoint(find_checkpoint(out))

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -128,6 +129,8 @@ def test_prepare_resumes_after_interrupt(corpus, data_dir, tmp_path, monkeypatch
         if f.startswith("train_"):
             assert os.path.getsize(tmp_path / f) == 2 * SHARD_TOKENS
 
+    # what a SIGKILL leaves of a shard it cut in the middle of its writing; the resume takes it away
+    (tmp_path / f"{P.shard_name('train', len(progress['shards']))}.0123abcd.tmp").write_bytes(b"\0" * 100)
     monkeypatch.setattr(P, "encoded_chunks", functools.partial(encoded_chunks, chunk_docs=10))
     P.prepare(corpus, **prepare_args(tmp_path))
     assert folder_bytes(tmp_path) == folder_bytes(data_dir)
@@ -211,6 +214,45 @@ def test_a_lost_or_cut_shard_is_named_when_a_run_opens_the_folder(data_dir, tmp_
         f.write(b"\0\0")
     with pytest.raises(SystemExit, match="val.bin is not the .* tokens meta.json says"):
         batches(damaged, "val")
+
+
+def test_a_shard_whose_contents_are_not_its_sha256s_is_named(data_dir, corpus, tmp_path):
+    meta = P.load_meta(data_dir)
+    for name, file in zip([*train_shards(meta), "val.bin"], meta["shards"] + meta["val"]):
+        assert file["sha256"] == hashlib.sha256((open(os.path.join(data_dir, name), "rb").read())).hexdigest()
+    # overwritten in place with ids of its own tokenizer, the same size: newer than meta.json, checked at start-up
+    overwritten = copy_of(data_dir, tmp_path / "overwritten")
+    path = os.path.join(overwritten, "train_001.bin")
+    np.random.default_rng(0).permutation(np.fromfile(path, dtype=np.uint16)).tofile(path)
+    with pytest.raises(SystemExit, match="train_001.bin is not the shard meta.json records .its sha256 differs.: put "
+                                         "the file back, or delete .* and prepare it again with `python prepare.py"):
+        batches(overwritten)
+    # copied in, with its times, from a folder prepared later with the same tokenizer and shard size: start-up takes
+    # it (its time is before meta.json's), and the check in the background names it
+    other = tmp_path / "other"
+    P.prepare(str(write_c4_jsonl(tmp_path / "other.jsonl", seed=1)),
+              **prepare_args(other, tokenizer=os.path.join(data_dir, "tokenizer.model")))
+    copied = copy_of(data_dir, tmp_path / "copied")
+    shutil.copy2(other / "train_000.bin", os.path.join(copied, "train_000.bin"))
+    os.utime(os.path.join(copied, "train_000.bin"), (1e9, 1e9))
+    streams = batches(copied), batches(copied, "val")
+    check = D.ShardCheck(*streams)
+    check.join(timeout=60)
+    assert len(check.errors) == 1 and "train_000.bin is not the shard meta.json records" in str(check.errors[0])
+    check = D.ShardCheck(batches(data_dir), batches(data_dir, "val"))
+    check.join(timeout=60)
+    assert not check.is_alive() and check.errors == []
+    # a folder prepared before meta.json recorded the shards' sha256s: one line to prepare it again
+    old = copy_of(data_dir, tmp_path / "old")
+    with open(os.path.join(old, "meta.json")) as f:
+        meta = json.load(f)
+    for file in meta["shards"] + meta["val"]:
+        del file["sha256"]
+    with open(os.path.join(old, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(SystemExit, match="old was prepared before meta.json recorded each shard's sha256: delete .*old "
+                                         "and prepare it again with `python prepare.py"):
+        batches(old)
 
 
 def test_a_stale_tokenizer_never_survives_into_a_new_run(data_dir, corpus, tmp_path):

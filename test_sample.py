@@ -62,8 +62,22 @@ def test_export_is_a_self_contained_hugging_face_folder(trained, tmp_path):
     folder = str(tmp_path / "hf")
     r = run(["export.py", f"--init_from={trained}", f"--out_dir={folder}"])
     assert r.returncode == 0, r.stderr
-    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors", "spiece.model"]
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors", "spiece.model", "tokenizer.json",
+                                          "tokenizer_config.json"]
     t5, tok = model_and_tokenizer(trained)
+    # transformers' AutoTokenizer reads the run's ids from it on a plain install: without protobuf, which a
+    # sentencepiece model needs, it reads tokenizer.json
+    no_protobuf = (
+        "import importlib.abc, sys\n"
+        "class NoProtobuf(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[:2] == ['google', 'protobuf']:\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, NoProtobuf())\n"
+        "from transformers import AutoTokenizer\n"
+        "print(AutoTokenizer.from_pretrained(sys.argv[1])(sys.argv[2]).input_ids)\n")
+    r = run(["-c", no_protobuf, folder, TEXT + " <extra_id_99>, naïve  café"])
+    assert r.returncode == 0 and r.stdout == f"{encode(tok, TEXT + ' <extra_id_99>, naïve  café')}\n", r.stderr
     hf = transformers.T5ForConditionalGeneration.from_pretrained(folder).eval()
     input_ids, labels = torch.tensor([encode(tok, TEXT)]), torch.tensor([[tok.first_sentinel_id, 7, 8, tok.eos_id]])
     with torch.no_grad():

@@ -15,8 +15,8 @@ import torch
 import checkpoint
 import distributed
 import runtime
-from data import (Prefetcher, SpanCorruptionBatches, micro_batch_size,
-                  span_accuracy, unigram_baseline)
+from data import (Prefetcher, SpanCorruptionBatches, ShardCheck,
+                  micro_batch_size, span_accuracy, unigram_baseline)
 from model import PRESETS, T5, T5Config
 from optim import OPTIMIZERS, Pace, get_lr, make_optimizer, param_groups
 from prepare import RECIPES, load_meta, load_tokenizer, prepare
@@ -72,6 +72,7 @@ check_config(config, [
     ("model", model in PRESETS, f"one of {', '.join(PRESETS)}"),
     ("optimizer", optimizer in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
     ("out_dir", out_dir and not os.path.isfile(out_dir), "a folder's path"),
+    ("data_dir", not os.path.isfile(data_dir), "a folder's path"),
     ("noise_density", 0 < noise_density < 1, "in (0, 1)"),
     ("mean_noise_span_length", mean_noise_span_length >= 1, ">= 1"),
     ("input_length", input_length >= 3, ">= 3"),
@@ -132,6 +133,9 @@ most = max(1, val_data.num_windows // batch_size)  # each val window once
 check_config(config, [("eval_steps", eval_steps <= most,
                        f"<= {most}: {data_dir}/val.bin holds "
                        f"{val_data.num_windows:,} windows of this run")])
+# the shards not checked at start-up: a sync step stops the run if one of
+# them is not what meta.json records
+shard_check = ShardCheck(train_data, val_data)
 
 # the model: T5(config) on the meta device, shapes without memory; placed
 # (sharded, compiled, in DDP), it gets its weights: a checkpoint's, or new
@@ -174,13 +178,14 @@ print0(f"span accuracy baseline {span_baseline:.4f}: always writing the "
 # two held-out examples each evaluation fills in: val.bin's first windows
 examples, truths = (t[:2] for t in val_data.get(0, device=rt.device))
 shown = max(tok.shown_length(labels) for labels in truths.tolist())
+identity = dict(program="train.py", config=config)  # log.jsonl's first line
 logger = runtime.Logger(out_dir, rt.master, step if resuming else None,
-                        dict(program="train.py", config=config))
+                        identity)
 if wandb_log:
     wandb_id = logger.start_wandb(wandb_project, wandb_run_name, config,
                                   wandb_id)
-run = dict(program="train.py", config=config, meta=meta, tokenizer=tok.data,
-           wandb_id=wandb_id)  # what checkpoints record besides the state
+# what checkpoints record besides the state
+run = dict(identity, meta=meta, tokenizer=tok.data, wandb_id=wandb_id)
 
 @torch.no_grad()
 def evaluate():
@@ -271,9 +276,14 @@ while not last_step:
             any(step % interval == 0 for interval in intervals)):
         continue
     synced = time.time()
-    agreed = sync.agree(train_loss, elapsed + synced - clock)
+    agreed = sync.agree(train_loss, elapsed + synced - clock,
+                        shard_check.errors)
     if agreed.diverged:  # before a save: the last checkpoint is good
         raise checkpoint.diverged(out_dir, step)
+    if agreed.damaged:  # this rank's line, or that another found one
+        raise (shard_check.errors or [SystemExit(
+            f"error: another rank found a shard of {data_dir} that is not "
+            f"what its meta.json records")])[0]
     elapsed = agreed.elapsed
     last_step = last_step or agreed.signalled or 0 < budget_s <= elapsed
     log_step(agreed.loss, grad_norm, pace.synced(step, elapsed))
