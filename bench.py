@@ -1,15 +1,12 @@
 """
-Times the training step train.py runs (forward, backward, clip, optimizer
-step) and, in the same process on the same weights, what one would
-otherwise use.
-    python bench.py                 # ms/step, tokens/s, MFU, peak memory
-    python bench.py --profile=True  # the step by phase, kernels, attention
+Times train.py's step (forward, backward, clip, optimizer) and, in the
+same process on the same weights, what one would otherwise use.
+    python bench.py                 # ms/step, tokens/s, MFU, a GPU's memory
     python bench.py --compare=hf    # the same step in transformers' T5
     python bench.py --compare=null  # ours against ours: a ratio's noise
 """
 import copy
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -17,7 +14,6 @@ import time
 import torch
 
 from data import compute_input_and_target_lengths, micro_batch_size
-from distributed import clip_grad_norm
 from hf import save_pretrained
 from model import PRESETS, T5, T5Config
 from optim import make_optimizer, param_groups
@@ -26,7 +22,6 @@ from runtime import flops_per_step, mfu, print0, setup_runtime
 # -----------------------------------------------------------------------------
 # default config
 compare = ""  # 'hf': against transformers; 'null': ours twice; '': ours
-profile = False  # ours alone: then one step by phase, and its kernels
 # model and shapes
 model = ""  # a preset; '' -> t5-v1_1-base on CUDA (the paper's), else small
 batch_size = 0  # examples per step; 0 -> 128 on CUDA (the paper's), else 4
@@ -51,7 +46,7 @@ def timed(fn):
         torch.cuda.synchronize()  # the device's work, not just its launch
     return time.perf_counter() - t0
 
-def burn(fn, burn_in):
+def warm_up(fn, burn_in):
     """the untimed calls; returns the seconds of the first, or None"""
     first = timed(fn) if burn_in else None
     for _ in range(burn_in - 1):
@@ -59,10 +54,9 @@ def burn(fn, burn_in):
     return first
 
 def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
-    """Median seconds per call of two (name, fn) sides, timed A B B A A B
-    ..., so that drift lands on both alike; prints each as work per
-    second, the ratio, and (compiled) the first calls."""
-    firsts = [burn(fn, burn_in) for _, fn in (a, b)]
+    """median seconds a call of two (name, fn) sides, timed A B B A ...
+    (drift lands on both alike), printed with the ratio"""
+    firsts = [warm_up(fn, burn_in) for _, fn in (a, b)]
     times = ([], [])
     for i in range(steps):
         for side in ((0, 1) if i % 2 == 0 else (1, 0)):
@@ -73,9 +67,8 @@ def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
                       if compiled and first else "")
         print0(f"{name:>34s}: {1000 * t:10.1f} ms {work / t:12,.0f} "
                f"{unit}/s{first_text}")
-    ratio = medians[1] / medians[0]
-    print0(f"{a[0]} / {b[0]}: {ratio:.2f}x the throughput (medians of "
-           f"{steps} alternating calls)")
+    print0(f"{a[0]} / {b[0]}: {medians[1] / medians[0]:.2f}x the throughput "
+           f"(medians of {steps} alternating calls)")
     return medians
 
 def build_model(rt, model_name, vocab_size, seed=1337):
@@ -83,7 +76,7 @@ def build_model(rt, model_name, vocab_size, seed=1337):
     config = T5Config.from_preset(model_name, vocab_size=vocab_size)
     return T5(config).to(rt.device)
 
-def twin(t5, rt, compare):
+def other_side(t5, rt, compare):
     """the other side, with our weights: ours again, or transformers' T5"""
     if compare == "null":
         return copy.deepcopy(t5)
@@ -93,8 +86,7 @@ def twin(t5, rt, compare):
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:
         save_pretrained(t5, folder)
-        T5ForConditionalGeneration = transformers.T5ForConditionalGeneration
-        hf = T5ForConditionalGeneration.from_pretrained(folder)
+        hf = transformers.T5ForConditionalGeneration.from_pretrained(folder)
     return TransformersAdapter(hf.to(rt.device))
 
 class TransformersAdapter(torch.nn.Module):
@@ -131,19 +123,15 @@ def training_step(net, rt, next_batch, compile_model, lr=2e-2,
     optimizer = make_optimizer("adamwscale", param_groups(net, 0.0), lr)
     model = torch.compile(net) if compile_model else net
 
-    def step(clock=lambda phase: None):  # clock(phase): the phase just ended
+    def step():
         micro_batches = next_batch()
         for batch in micro_batches:
             with rt.autocast():
                 _, loss = model(**batch)
-            clock("forward")
             (loss / len(micro_batches)).backward()
-            clock("backward")
-        clip_grad_norm(net, grad_clip)
-        clock("clip")
+        torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        clock("optimizer")
     return step
 
 def warm_up_compiler(rt):
@@ -155,78 +143,21 @@ def warm_up_compiler(rt):
 
 def bench_train(rt, model_name, vocab_size, batch_size, grad_accum_steps,
                 input_length, compile_model, steps=10, burn_in=3,
-                peak_flops=0.0, seed=1337, profile=False):
-    """our training step alone: (s/step, tokens/s, MFU or None, peak memory
-    bytes, first call's s); profile: then one more step's kernels"""
+                peak_flops=0.0, seed=1337):
+    """our training step alone: (s/step, tokens/s, MFU or None, a GPU's
+    peak memory or None, first call's s)"""
     t5 = build_model(rt, model_name, vocab_size, seed)
     next_batch = batches(rt, batch_size, grad_accum_steps, input_length,
                          vocab_size, seed)
     step_fn = training_step(t5, rt, next_batch, compile_model)
-    if rt.device_type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    elif os.path.exists("/proc/self/clear_refs"):  # "5": resets the peak RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    first = burn(step_fn, burn_in)
+    first = warm_up(step_fn, burn_in)
     dt = statistics.median(timed(step_fn) for _ in range(steps))
     targets = targets_length(input_length)
     flops = flops_per_step(t5, batch_size, input_length, targets)
     tokens = batch_size * (input_length + targets)
     mfu_now = mfu(flops, dt, rt.world_size, rt.peak_flops(peak_flops))
-    if rt.device_type == "cuda":  # the allocator's high-water mark
-        memory = torch.cuda.max_memory_allocated()
-    elif os.path.exists("/proc/self/status"):
-        # Linux: the peak RSS since clear_refs, in KiB (getrusage's holds
-        # the parent's, from before exec)
-        with open("/proc/self/status") as f:
-            line = next(line for line in f if line.startswith("VmHWM:"))
-            memory = 1024 * int(line.split()[1])
-    else:  # macOS: the process's peak RSS, in bytes
-        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if profile:
-        print_profile(step_fn, rt)
+    memory = rt.device_type == "cuda" and torch.cuda.max_memory_allocated()
     return dt, tokens / dt, mfu_now, memory, first
-
-def now(rt):
-    """a CUDA event recorded now on a GPU, else the clock's seconds"""
-    if rt.device_type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-def phases(fn, rt):
-    """one call of fn(clock) timed by phase: {phase: ms}"""
-    marks = [("start", now(rt))]
-    timed(lambda: fn(lambda phase: marks.append((phase, now(rt)))))
-    ms = {}
-    for (_, start), (phase, end) in zip(marks, marks[1:]):
-        elapsed = (start.elapsed_time(end) if rt.device_type == "cuda"
-                   else 1e3 * (end - start))
-        ms[phase] = ms.get(phase, 0.0) + elapsed
-    return ms
-
-def print_profile(fn, rt, rows=30):
-    """One step by phase, then torch.profiler's table of another: its
-    kernels (the GPU's, or the CPU's ops) by their own time, how many ran,
-    and which attention kernel SDPA chose"""
-    ms = phases(fn, rt)
-    print0("one step by phase: " +
-           " | ".join(f"{phase} {t:.1f} ms" for phase, t in ms.items()))
-    from torch.profiler import profile
-    with profile() as prof:  # the CPU's ops, and a GPU's kernels
-        timed(fn)
-    events = prof.key_averages()
-    on = "cuda" if rt.device_type == "cuda" else "cpu"
-    print0(events.table(sort_by=f"self_{on}_time_total", row_limit=rows))
-    attention = sorted({e.key for e in events
-                        if e.key.startswith("aten::_scaled_dot_product")})
-    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA"
-                  or on == "cpu" and not e.cpu_parent)
-    what = ("CUDA kernels in one step" if on == "cuda"
-            else "CPU ops at the top level in one step")
-    print0(f"attention: {', '.join(attention) or 'none found'}; "
-           f"{kernels:,} {what}")
 
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -240,15 +171,13 @@ if __name__ == "__main__":
           for key in ("burn_in", "batch_size", "threads", "peak_flops")],
         *[(key, config[key] > 0, "> 0")
           for key in ("steps", "grad_accum_steps")],
-        ("profile", not profile or not compare, "False with --compare"),
     ])
     torch.set_num_threads(threads or os.cpu_count())
     rt = setup_runtime(device, dtype, seed)
     on_cuda = rt.device_type == "cuda"
     model = model or ("t5-v1_1-base" if on_cuda else "t5-v1_1-small")
     batch_size = batch_size or (128 if on_cuda else 4)
-    # refused if the batch won't split
-    micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
+    micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # splits?
     vocab_size = T5Config.from_preset(model).vocab_size
     name = (torch.cuda.get_device_name() if on_cuda
             else f"CPU, {torch.get_num_threads()} threads")
@@ -258,16 +187,16 @@ if __name__ == "__main__":
     if not compare:  # ours alone
         dt, tokens_per_s, mfu_now, memory, first = bench_train(
             rt, model, vocab_size, batch_size, grad_accum_steps,
-            input_length, compile, steps, burn_in, peak_flops, seed, profile)
+            input_length, compile, steps, burn_in, peak_flops, seed)
         mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
+        memory = f" | peak memory {memory / 2**30:.2f} GB" if memory else ""
         first_text = (f" | first call (compile): {first:.2f} s"
                       if compile and burn_in else "")
         print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s"
-               f"{mfu_text} | peak memory {memory / 2**30:.2f} GB"
-               f"{first_text}")
+               f"{mfu_text}{memory}{first_text}")
     else:  # a training step against transformers' or ours again
         t5 = build_model(rt, model, vocab_size, seed)
-        theirs = twin(t5, rt, compare)
+        theirs = other_side(t5, rt, compare)
         next_batch = batches(rt, batch_size, grad_accum_steps, input_length,
                              vocab_size, seed)
         tokens = batch_size * (input_length + targets_length(input_length))

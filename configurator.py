@@ -2,15 +2,15 @@
 Poor man's configurator, after nanoGPT's, exec'd by each script after its
 config globals:
     python train.py config/t5_tiny.py --batch_size=32 --compile=False
-Config files (Python) run first, in order, then --key=value. A key must be
-one of the script's globals and keep its type; a string key takes its text
-as typed (--out_dir=2024 is a folder). A mistake is one line, `error: ...`.
-`config` then holds every key's value, and check_config(config, rules)
-refuses what the script's rules forbid.
+Config files (Python) run first, then --key=value. A key must be one of the
+script's globals and keep its type; a string takes its text as typed. A
+mistake is one line, `error: ...`. check_config(config, rules) refuses
+what the script's rules forbid.
 """
 import ast as _ast
 import difflib as _difflib
 import math as _math
+import os as _os
 import sys as _sys
 
 def _set(key, value, where):
@@ -68,8 +68,10 @@ for _arg in [a for a in _sys.argv[1:] if a.startswith("--")]:  # then these
 config = {k: globals()[k] for k in _defaults}
 
 def check_config(config, rules):
-    """rules: (key, whether its value is valid, what it must be); a line
-    for each rule the config fails"""
+    """rules: (key, whether its value is valid, what it must be), and a
+    *_dir key's, a folder's path; a line for each rule the config fails"""
+    rules += [(key, path and not _os.path.isfile(path), "a folder's path")
+              for key, path in config.items() if key.endswith("_dir")]
     mistakes = [f"error: config key '{key}' is {config[key]!r}; it must be "
                 f"{rule}" for key, valid, rule in rules if not valid]
     if mistakes:

@@ -1,9 +1,11 @@
 """
-The training-time data path: a prepared folder's windows of tokens, span-corrupted into T5's
-(inputs, targets); each step's batch, built ahead in a thread; eval metrics.
-    data = SpanCorruptionBatches("data/pydoc", "train", batch_size=16, input_length=128,
-                                 noise_density=0.15, mean_noise_span_length=3.0, seed=1337)
-    input_ids, labels = data.get(step)  # (16, 128) and (16, 29): the batch of any step, at any time
+The data path of training: a prepared folder's windows of tokens, span-
+corrupted into T5's (inputs, targets); each step's batch, built ahead in a
+thread; what an evaluation measures.
+    data = SpanCorruptionBatches("data/pydoc", "train", batch_size=16,
+                                 input_length=128, noise_density=0.15,
+                                 mean_noise_span_length=3.0, seed=1337)
+    input_ids, labels = data.get(step)  # (16, 128) and (16, 29), any step
 """
 import functools
 import hashlib
@@ -15,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from prepare import NUM_SENTINELS, load_meta, prepare_again, shard_name
+from prepare import load_meta, prepare_again, shard_name
+from tokenizer import NUM_SENTINELS
 
 # span corruption, as T5 does it (t5.data.preprocessors)
 
@@ -225,8 +228,8 @@ class SpanCorruptionBatches:
                 torch.from_numpy(targets).to(device))
 
     def check(self, path, sha256, chunk_bytes=1 << 20):
-        """the shard at path holds the ids prepare.py wrote: read in chunks,
-        as a memmap's max() would keep it resident"""
+        """the shard holds what prepare.py wrote; read in chunks (a memmap's
+        max() would keep it resident)"""
         largest, digest = 0, hashlib.sha256()
         with open(path, "rb") as f:
             while chunk := f.read(chunk_bytes):
@@ -243,9 +246,8 @@ class SpanCorruptionBatches:
                 f"sha256 differs): put the file back, or {self.again}")
 
 class ShardCheck(threading.Thread):
-    """The streams' shards that start-up did not check, once, in a thread
-    that the run's end does not wait for; errors gets what it finds, for
-    the sync steps to read."""
+    """the streams' shards start-up did not check, once, in a thread the
+    run's end does not wait for; sync steps read its errors"""
     def __init__(self, *streams):
         super().__init__(daemon=True)
         self.streams, self.errors = streams, []
@@ -259,38 +261,35 @@ class ShardCheck(threading.Thread):
         except SystemExit as e:
             self.errors.append(e)
 
+    def error(self):  # what a sync step raises when any rank found one
+        data_dir = self.streams[0].meta["data_dir"]
+        return (self.errors or [SystemExit(
+            f"error: another rank found a shard of {data_dir} that is not "
+            f"what its meta.json records")])[0]
+
 class Prefetcher:
     """get(step): this rank's micro-batches of step, dicts of input_ids and
-    labels. A thread builds step + 1's during step (the order is known: no
-    DataLoader workers) and pins them on CUDA: the copy is async."""
+    labels; a thread builds step + 1's meanwhile (the order is known: no
+    DataLoader workers), pinned on CUDA, so that the copy is async"""
     def __init__(self, data, grad_accum_steps, rank, world_size, device):
-        self.data = data
-        self.grad_accum_steps = grad_accum_steps
-        self.rank = rank
-        self.world_size = world_size
-        self.device = torch.device(device)
+        micro_batch_size(data.batch_size, grad_accum_steps, world_size)
+        self.data, self.device = data, torch.device(device)
+        self.slice = (grad_accum_steps, rank, world_size)
         pin_on = {}
-        if self.device.type == "cuda":
-            # pin on this rank's GPU: no context on GPU 0
+        if self.device.type == "cuda":  # this rank's GPU: no context on GPU 0
             gpu = (torch.cuda.current_device() if self.device.index is None
                    else self.device.index)
             pin_on = dict(initializer=torch.cuda.set_device,
                           initargs=(gpu,))
         self.pool = ThreadPoolExecutor(1, **pin_on)
-        # (step, future of its host micro-batches)
-        self.next = (None, None)
+        self.next = (None, None)  # (step, its future)
 
     def on_host(self, step):
-        micro_batches = []
-        for micro_step in range(self.grad_accum_steps):
-            input_ids, labels = self.data.get(
-                step, micro_step, self.grad_accum_steps, self.rank,
-                self.world_size)
-            if self.device.type == "cuda":
-                input_ids = input_ids.pin_memory()
-                labels = labels.pin_memory()
-            micro_batches.append(dict(input_ids=input_ids, labels=labels))
-        return micro_batches
+        batches = [self.data.get(step, micro_step, *self.slice)
+                   for micro_step in range(self.slice[0])]
+        if self.device.type == "cuda":
+            batches = [[t.pin_memory() for t in b] for b in batches]
+        return [dict(input_ids=x, labels=y) for x, y in batches]
 
     def get(self, step):
         next_step, future = self.next
@@ -307,14 +306,12 @@ class Prefetcher:
 # what an evaluation measures
 
 def span_accuracy(logits, labels, first_sentinel_id):
-    """(spans right, spans) under teacher forcing, as tensors: a span is right
-    if the argmax is each of its tokens and the one ending it (a sentinel, or
-    EOS)"""
+    """(spans right, spans) under teacher forcing: a span is right if the
+    argmax is each of its tokens and the one ending it (sentinel or EOS)"""
     sentinel = ((labels <= first_sentinel_id)
                 & (labels > first_sentinel_id - NUM_SENTINELS))
-    # (B, T): the span each label is in or ends
+    # (B, T): the span each label is in or ends; span 0, the first sentinel
     span = sentinel.long().cumsum(1) - sentinel.long()
-    # span 0: the first sentinel
     wrong = ((logits.argmax(-1) != labels) & (span > 0)).float()
     wrong_per_span = torch.zeros(labels.size(0), labels.size(1) + 1,
                                  device=labels.device)

@@ -1,14 +1,12 @@
 """
-Fine-tunes a T5 on Super-Natural-Instructions (SNI) and reports Rouge-L on
-its held-out test tasks, as the nanoT5 paper does, with Tk-Instruct's
-recipe (definition + 2 positive examples, at most 100 instances a task).
+Fine-tunes a T5 on Super-Natural-Instructions and reports Rouge-L on its
+held-out test tasks, as the nanoT5 paper does, with Tk-Instruct's recipe.
     git clone https://github.com/allenai/natural-instructions
     python finetune.py --init_from=out/t5_base  # a train.py run, or HF weights
-    python finetune.py --init_from=out/finetune --eval_only=True --out_dir=out/eval
-    torchrun --standalone --nproc_per_node=4 finetune.py --init_from=out/xl --fsdp=True
 """
 import dataclasses
 import json
+import math
 import os
 import random
 import string
@@ -26,8 +24,9 @@ import distributed
 import runtime
 from data import micro_batch_size
 from model import T5, T5Config
-from optim import OPTIMIZERS, Pace, make_optimizer, param_groups
-from runtime import atomic_write, print0
+from optim import OPTIMIZERS, make_optimizer, param_groups
+from runtime import all_gathered, atomic_write, print0
+from tokenizer import tokenizer_of
 
 # -----------------------------------------------------------------------------
 # default config: nanoT5's fine-tuning (task/ft.yaml) on Tk-Instruct's data
@@ -70,7 +69,7 @@ wandb_run_name = ""  # '' -> out_dir's folder name
 # -----------------------------------------------------------------------------
 
 def sni_split(data_dir, split):
-    """the file that lists the tasks of SNI's default train or test split"""
+    """the file of the tasks of SNI's default train or test split"""
     path = os.path.join(data_dir, "splits", "default", f"{split}_tasks.txt")
     if not os.path.isfile(path):
         url = "https://github.com/allenai/natural-instructions"
@@ -85,20 +84,18 @@ def load_split(data_dir, split, max_num_instances_per_task, seed):
         task_names = [line.strip() for line in f if line.strip()]
     examples = []
     for name in task_names:
-        path = os.path.join(data_dir, "tasks", name + ".json")
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.join(data_dir, "tasks", name + ".json"),
+                  encoding="utf-8") as f:
             task = json.load(f)
-        # a list in today's task files: Tk-Instruct takes the first
-        definition = task["Definition"]
+        definition = task["Definition"]  # today a list: Tk-Instruct's first
         if isinstance(definition, list):
             definition = definition[0]
-        positives = [(example["input"], example["output"])
-                     for example in task["Positive Examples"]]
+        positives = [(ex["input"], ex["output"])
+                     for ex in task["Positive Examples"]]
         instances = task["Instances"]
         if split == "test":  # SNI's label-balanced test instances come first
             instances = instances[:100]
-        # a task's draw, whatever the tasks before it drew
-        rng = random.Random(f"{seed}-{name}")
+        rng = random.Random(f"{seed}-{name}")  # whatever others drew
         count = min(max_num_instances_per_task, len(instances))
         for i in sorted(rng.sample(range(len(instances)), count)):
             instance = instances[i]
@@ -110,8 +107,7 @@ def load_split(data_dir, split, max_num_instances_per_task, seed):
                 target=rng.choice(references)))
     return examples
 
-def end_with_punctuation(text):
-    # as Tk-Instruct ends the definition and each input and output line
+def end_with_punctuation(text):  # as Tk-Instruct ends each part
     return text if text[-1] in string.punctuation else text + "."
 
 def build_prompt(definition, positives, instance_input, num_pos_examples=2):
@@ -129,9 +125,8 @@ def build_prompt(definition, positives, instance_input, num_pos_examples=2):
 
 def tokenize_example(example, tokenizer, eos_id, max_input_length,
                      max_target_length, num_pos_examples):
-    """adds prompt, input_ids and labels (both ending in EOS) to an
-    example, within the limits"""
-    # the most examples that fit: Tk-Instruct adds them while they fit
+    """the example with prompt, input_ids and labels (each ending in EOS),
+    within the limits: as many positive examples as fit, as Tk-Instruct"""
     most = min(num_pos_examples, len(example["positives"]))
     for k in range(most, -1, -1):
         prompt = build_prompt(example["definition"], example["positives"],
@@ -141,20 +136,17 @@ def tokenize_example(example, tokenizer, eos_id, max_input_length,
             break
     if len(input_ids) > max_input_length:
         input_ids = input_ids[:max_input_length - 1] + [eos_id]
-        # what the model sees, for predictions.jsonl
-        prompt = tokenizer.decode(input_ids[:-1])
+        prompt = tokenizer.decode(input_ids[:-1])  # what the model sees
     target = tokenizer.encode(example["target"].strip())
     labels = target[:max_target_length - 1] + [eos_id]
     return dict(example, prompt=prompt, input_ids=input_ids, labels=labels)
 
 def collate(examples, pad_id):
-    """A batch, the model's arguments: input_ids, labels and
-    attention_mask, right-padded to a multiple of 8; labels with -100
-    (ignored)"""
+    """the model's arguments, right-padded to a multiple of 8 (labels with
+    -100, which the loss ignores)"""
     def pad(sequences, value):
         tensors = [torch.tensor(s) for s in sequences]
-        padded = pad_sequence(tensors, batch_first=True,
-                              padding_value=value)
+        padded = pad_sequence(tensors, batch_first=True, padding_value=value)
         return F.pad(padded, (0, -padded.size(1) % 8), value=value)
     inputs = [ex["input_ids"] for ex in examples]
     return dict(input_ids=pad(inputs, pad_id),
@@ -162,34 +154,29 @@ def collate(examples, pad_id):
                 attention_mask=pad([[1] * len(x) for x in inputs], 0))
 
 @lru_cache(maxsize=1)
-def rougeL_scorer():  # built once; imported here: the import takes seconds
+def rougeL_scorer():  # built once, imported late: the import takes seconds
     from rouge_score import rouge_scorer
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
 def rouge_l(prediction, references):
-    """Tk-Instruct's Rouge-L: rouge-score's F-measure, Porter stemmer, the
-    best reference, x 100"""
+    """Tk-Instruct's: rouge-score's F-measure, Porter stemmer, the best
+    reference, x 100"""
     scores = rougeL_scorer().score_multi(references, prediction)
     return 100.0 * scores["rougeL"].fmeasure
 
-def compute_metrics(records):
-    """Rouge-L averaged over the examples (not over the tasks' means), as
-    Tk-Instruct reports it"""
+def compute_metrics(records):  # over the examples, not the tasks' means
     scores = [rouge_l(r["prediction"], r["references"]) for r in records]
     return dict(rougeL=mean(scores), num_examples=len(scores))
 
 def generate_predictions(model, examples, tokenizer, batch_size,
                          max_new_tokens, device, autocast, rank=0,
                          world_size=1):
-    """greedy predictions of this rank's share of the examples, (index in
-    examples, text) pairs. Every rank runs as many batches: under FSDP,
-    the same model calls."""
-    # sorted by length, a batch's prompts need little padding
+    """greedy predictions of this rank's share of the examples, (index,
+    text) pairs; every rank runs as many batches, for FSDP's collectives"""
+    # by length, a batch's prompts need little padding
     shard = sorted(range(rank, len(examples), world_size),
                    key=lambda i: len(examples[i]["input_ids"]))
-    # fewer examples than ranks: a rank with none decodes one too; and the
-    # shares are made even
-    shard = shard or [0]
+    shard = shard or [0]  # fewer examples than ranks: decode one anyway
     shard += shard[-1:] * (-(-len(examples) // world_size) - len(shard))
     eos_id = model.config.eos_token_id
     predictions = []
@@ -205,9 +192,8 @@ def generate_predictions(model, examples, tokenizer, batch_size,
                                        max_new_tokens)
         for i, ids in zip(indices, generated.tolist()):
             ids = ids[:ids.index(eos_id)] if eos_id in ids else ids
-            # decoded as Tk-Instruct does
             text = tokenizer.decode(ids, skip_special_tokens=True)
-            predictions.append((i, text))
+            predictions.append((i, text))  # decoded as Tk-Instruct does
     return predictions
 
 if __name__ == "__main__":
@@ -216,8 +202,6 @@ if __name__ == "__main__":
     check_config(config, [
         ("optimizer", optimizer in OPTIMIZERS,
          f"one of {', '.join(OPTIMIZERS)}"),
-        ("out_dir", out_dir and not os.path.isfile(out_dir), "a folder's path"),
-        ("data_dir", not os.path.isfile(data_dir), "a folder's path"),
         ("dropout", 0 <= dropout < 1, "in [0, 1)"),
         ("grad_clip", grad_clip >= 0, ">= 0 (0: no clipping)"),
         ("max_steps", max_steps >= 0, ">= 0 (0: epochs)"),
@@ -237,26 +221,31 @@ if __name__ == "__main__":
     ])
     sni_split(data_dir, "test")
     rt = runtime.setup_runtime(device, dtype, seed, fsdp)
-    distributed.join(rt)
+    if rt.torchrun:
+        distributed.join(rt)
     micro_batch = micro_batch_size(batch_size, grad_accum_steps,
                                    rt.world_size)
-    lock = runtime.claim(out_dir)  # one live run per out_dir, as train.py's
-    # the model, and the tokenizer it was pre-trained with, which its
-    # checkpoint carries: this run's newest checkpoint, or what init_from
-    # names; a new run writes over no other run's files
-    how, ckpt = checkpoint.start_from(init_from, out_dir, "finetune.py",
-                                      config, ("optimizer", "weight_decay"),
-                                      fsdp=fsdp)
-    resuming = how == "resume"
-    tokenizer = checkpoint.tokenizer_of(ckpt, init_from)
-    t5_config = T5Config(**ckpt["model_config"])
-    with torch.device("meta"):
-        model = T5(dataclasses.replace(t5_config, dropout=dropout))
-    # dynamic: prompts of many lengths
-    train_model = distributed.wrap_model(model, rt, fsdp, compile,
-                                         dynamic=True)
+    lock = runtime.lock_folder(out_dir)  # one live run per out_dir
+    # the weights (this run's newest checkpoint, or init_from's), with the
+    # tokenizer they were trained with, which checkpoints carry
+    resuming, ckpt = checkpoint.start_from(
+        init_from, out_dir, "finetune.py", config,
+        ("optimizer", "weight_decay"), fsdp=fsdp)
+    tokenizer = tokenizer_of(ckpt, init_from)
+    t5_config = dataclasses.replace(T5Config(**ckpt["model_config"]),
+                                    dropout=dropout)
+    if fsdp:  # dynamic: prompts of many lengths
+        model = distributed.sharded_t5(t5_config, rt, compile, dynamic=True)
+    else:
+        with torch.device(rt.device):
+            model = T5(t5_config)
     checkpoint.load_weights(model, ckpt)
     print0(f"{model.num_params() / 1e6:.1f}M parameters from {init_from}")
+    train_model = model  # what the loop calls, as in train.py
+    if compile and not fsdp:
+        train_model = torch.compile(model, dynamic=True)
+    if rt.torchrun and not fsdp:
+        train_model = distributed.ddp(train_model, rt)
 
     def tokenized_split(split):
         examples = load_split(data_dir, split, max_num_instances_per_task,
@@ -283,40 +272,36 @@ if __name__ == "__main__":
                      else (0, 0.0))
     for group in opt.param_groups:
         group["lr"] = lr  # a resume's --lr, not its checkpoint's
-    # what its checkpoints record besides the state: the pre-training
-    # data's meta, the tokenizer, the wandb run (a resume continues it)
+    # checkpoints hold, besides the state, the pre-training data's meta,
+    # the tokenizer, the wandb run and the weights it fine-tunes (a step
+    # folder, HF's), which metrics.json names
     wandb_id = ckpt.get("wandb_id") if resuming else None
-    # the weights it fine-tunes, which metrics.json names: a step folder, HF's
-    weights = ckpt["weights"] if resuming else ckpt.get("shards", init_from)
+    weights = ckpt["weights"] if resuming else ckpt["source"]
     identity = dict(program="finetune.py", config=config)
-    run = dict(identity, meta=ckpt["meta"], tokenizer=tokenizer.data,
-               wandb_id=wandb_id, weights=weights)
+    run_record = dict(identity, meta=ckpt["meta"], tokenizer=tokenizer.data,
+                      wandb_id=wandb_id, weights=weights)
     ckpt = None  # free the checkpoint's copy of the weights
     logger = runtime.Logger(out_dir, rt.master, step if resuming else None,
                             identity)
     if wandb_log:
-        run["wandb_id"] = logger.start_wandb(wandb_project, wandb_run_name,
-                                             config, wandb_id)
+        run_record["wandb_id"] = logger.start_wandb(
+            wandb_project, wandb_run_name, config, wandb_id)
 
     @lru_cache(maxsize=1)
-    def epoch_order(epoch):
-        # of (seed, epoch) alone: a resumed run sees the batches it would have
+    def epoch_order(epoch):  # of (seed, epoch) alone: a resume's too
         generator = torch.Generator().manual_seed(seed + epoch)
-        order = torch.randperm(len(train_examples), generator=generator)
-        return order.tolist()
+        return torch.randperm(len(train_examples), generator=generator).tolist()
 
     def micro_batches(step):
-        """this rank's micro-batches of step: input_ids, labels and
-        attention_mask each"""
+        """this rank's micro-batches of step, collated"""
         epoch, i = divmod(step, steps_per_epoch)
-        order = epoch_order(epoch)
         batches = []
         for micro_step in range(grad_accum_steps):
-            rows = (micro_step * rt.world_size + rt.rank) * micro_batch
-            first = i * batch_size + rows
-            examples = [train_examples[j]
-                        for j in order[first:first + micro_batch]]
-            batch = collate(examples, model.config.pad_token_id)
+            first = (i * batch_size
+                     + (micro_step * rt.world_size + rt.rank) * micro_batch)
+            rows = epoch_order(epoch)[first:first + micro_batch]
+            batch = collate([train_examples[j] for j in rows],
+                            model.config.pad_token_id)
             batches.append({k: t.to(rt.device) for k, t in batch.items()})
         return batches
 
@@ -328,11 +313,9 @@ if __name__ == "__main__":
             model, test_examples, tokenizer, eval_batch_size, max_new_tokens,
             rt.device, rt.autocast, rt.rank, rt.world_size)
         model.train()
-        predictions = [p for shard in distributed.all_gathered(predictions)
-                       for p in shard]
+        texts = dict(p for shard in all_gathered(predictions) for p in shard)
         if not rt.master:
             return
-        texts = dict(predictions)
         records = [dict(task=ex["task"], id=ex["id"], prompt=ex["prompt"],
                         prediction=texts[i], references=ex["references"])
                    for i, ex in enumerate(test_examples)]
@@ -348,60 +331,77 @@ if __name__ == "__main__":
                f"{metrics['num_examples']:,} test examples; predictions in "
                f"{path}")
 
-    # the loop, as train.py's, with the same calls
-    sync = distributed.Sync(rt)
-    pace = Pace(max_steps, 0.0, step, elapsed)  # a step's time
+    # the loop, as train.py's
+    signals = runtime.Signals(rt)
+    if rt.torchrun:
+        signal_flags = distributed.SignalFlags(rt)
+    max_norm = grad_clip or math.inf
+    nonfinite = 0
+    start_step, synced_step, synced_elapsed = step, step, elapsed
     model.train()
-    start_step = step
     clock = time.time()
     last_step = step >= max_steps
     while not last_step:
-        # the loss: the mean over the step's label tokens, on every rank: a
-        # micro-batch's weighs as many tokens as it holds (DDP and FSDP
-        # average the ranks' gradients)
+        # the loss: the mean over the step's label tokens on all ranks, a
+        # micro-batch weighing its tokens (DDP, FSDP average the ranks')
         batches = micro_batches(step)
         tokens = [(batch["labels"] != -100).sum() for batch in batches]
-        step_tokens = distributed.sum_over_ranks(rt, torch.stack(tokens).sum())
+        step_tokens = torch.stack(tokens).sum()
+        if rt.torchrun:
+            torch.distributed.all_reduce(step_tokens)
         train_loss = 0.0
         for micro_step, (batch, n) in enumerate(zip(batches, tokens)):
-            last = micro_step == grad_accum_steps - 1
-            distributed.sync_gradients(train_model, last)
+            if rt.torchrun:
+                distributed.sync_gradients(train_model,
+                                           micro_step == grad_accum_steps - 1)
             with rt.autocast():
                 _, loss = train_model(**batch)
             weight = n * rt.world_size / step_tokens
             (loss * weight).backward()
             train_loss += loss.detach() * weight
-        grad_norm = distributed.clip_grad_norm(model, grad_clip)
+        if fsdp:
+            grad_norm = distributed.clip_grad_norm(model, max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        last_step = sync.step_done(step, train_loss, grad_norm,
-                                   step == max_steps)
+        nonfinite = nonfinite + ~torch.isfinite(train_loss + grad_norm)
+        signals.step = step
+        stop = signals.caught > 0
+        if rt.torchrun:
+            stop = step < max_steps and signal_flags.any(signals.caught)
+        last_step = step == max_steps or stop
         if step == start_step + 1:  # the optimizer state exists
-            distributed.print_memory(model, opt, rt)
-            distributed.set_timeout(rt, distributed.TRAIN_TIMEOUT)
-        if (last_step or step % log_interval == 0
-                or step % checkpoint_interval == 0):
+            runtime.print_memory(model, opt, rt)
+            if rt.torchrun:
+                distributed.set_timeout(distributed.TRAIN_TIMEOUT)
+        saving = last_step or step % checkpoint_interval == 0
+        if saving or step % log_interval == 0:
             synced = time.time()
-            agreed = sync.agree(train_loss, elapsed + synced - clock)
-            if agreed.diverged:
+            loss, elapsed, nonfinite, signalled = rt.summed([
+                train_loss / rt.world_size,
+                (elapsed + synced - clock) * rt.master, nonfinite,
+                signals.caught])
+            if nonfinite:
                 raise checkpoint.diverged(out_dir, step)
-            elapsed = agreed.elapsed
-            last_step = last_step or agreed.signalled
-            step_s = pace.synced(step, elapsed)
+            last_step = last_step or signalled
+            saving = saving or last_step
+            step_s = (elapsed - synced_elapsed) / (step - synced_step)
+            synced_step, synced_elapsed = step, elapsed
             epoch = step / steps_per_epoch
-            logger.log({"step": step, "epoch": epoch, "loss": agreed.loss,
+            logger.log({"step": step, "epoch": epoch, "loss": loss,
                         "lr": lr, "grad_norm": grad_norm.item(),
                         "ms_per_step": 1000 * step_s, "elapsed": elapsed})
             eta = (max_steps - step) * step_s / 3600
             print0(f"step {step:6d}/{max_steps} | epoch {epoch:.2f} | loss "
-                   f"{agreed.loss:.4f} | grad norm {grad_norm.item():.3f} | "
+                   f"{loss:.4f} | grad norm {grad_norm.item():.3f} | "
                    f"{1000 * step_s:.0f} ms/step | eta {eta:.2f} h")
-            if last_step or step % checkpoint_interval == 0:
-                with distributed.patiently(rt):
-                    checkpoint.save_checkpoint(out_dir, model, opt, step,
-                                               elapsed, run)
-            if agreed.signalled:
+            if saving:
+                checkpoint.save_checkpoint(out_dir, model, opt, step,
+                                           elapsed, run_record)
+            if signalled:
                 print0(f"stopped by signal at step {step}, saved in "
                        f"{time.time() - synced:.1f} s: continue with "
                        f"--init_from=resume")
@@ -409,11 +409,11 @@ if __name__ == "__main__":
         # no evaluation after a signal's save; the last one follows the loop
         if eval_interval and step % eval_interval == 0 and not last_step:
             evaluate()
-    sync.release()
+    signals.release()
     if step == max_steps:
         evaluate()
-    if rt.ddp:
+    if rt.torchrun:
         torch.distributed.barrier()  # rank 0 may still write: leave together
         torch.distributed.destroy_process_group()
-    if sync.caught:  # as a process the signal ended
-        raise SystemExit(128 + sync.caught)
+    if signals.caught:  # as a process the signal ended
+        raise SystemExit(128 + signals.caught)

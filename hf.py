@@ -1,7 +1,7 @@
 """
 Hugging Face's format: transformers' T5ForConditionalGeneration read and
-written (config.json, model.safetensors and the tokenizer), our names
-mapped to theirs, and weights fetched from the Hub.
+written (config.json, model.safetensors, the tokenizer), our names mapped
+to theirs, and weights fetched from the Hub.
 """
 import dataclasses
 import glob
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import torch
 
 from model import T5, T5Config
-from prepare import (BPE_PATTERN, NUM_SENTINELS, TIKTOKEN_LINE, Tokenizer,
-                     read_ranks)
 from runtime import atomic_write
+from tokenizer import (BPE_PATTERN, NUM_SENTINELS, TIKTOKEN_LINE, Tokenizer,
+                       read_ranks)
 
 NOTHING_THERE = ("error: {} holds no run or weights{}: pass a run's out_dir "
                  "(or a step folder of its ckpt/), a folder of Hugging Face "
@@ -50,10 +50,9 @@ def hf_names(model):
             yield name, name.replace('ln_f', 'final_layer_norm')
 
 def read_hf(name_or_dir):
-    """(T5Config, state dict in our names, the tokenizer beside them or
-    None: T5's) of a gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt,
-    nanoT5): a Hub id, or a folder of config.json and model.safetensors or
-    pytorch_model.bin"""
+    """(T5Config, state dict in our names, the tokenizer beside them or None:
+    T5's) of a gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5): a Hub
+    id, or a folder of config.json and model.safetensors or .bin"""
     folder = (name_or_dir if os.path.isdir(name_or_dir)
               else download(name_or_dir))
     if not os.path.isfile(os.path.join(folder, 'config.json')):
@@ -61,13 +60,11 @@ def read_hf(name_or_dir):
     with open(os.path.join(folder, 'config.json')) as f:
         hf = json.load(f)
     tokenizer, name = None, 'spiece.model'
-    # a sentencepiece model, or a BPE's ranks
-    for file in ('spiece.model', 'tokenizer.tiktoken'):
+    for file in ('spiece.model', 'tokenizer.tiktoken'):  # or a BPE's ranks
         if os.path.isfile(os.path.join(folder, file)):
             with open(os.path.join(folder, file), 'rb') as f:
                 tokenizer, name = f.read(), file
-    # export.py's: the tokenizer the model was trained with
-    recorded = hf.get('tokenizer_sha256')
+    recorded = hf.get('tokenizer_sha256')  # export.py's: the model's own
     found = tokenizer and hashlib.sha256(tokenizer).hexdigest()
     if recorded and recorded != found:
         raise SystemExit(f"error: {folder}/{name} is not the tokenizer its "
@@ -89,10 +86,10 @@ def read_hf(name_or_dir):
     # weights decide
     shared = state_dict['shared.weight']
     lm_head = state_dict.get('lm_head.weight', shared)
-    tied = lm_head is shared or torch.equal(lm_head, shared)
-    fields['tie_word_embeddings'] = tied
-    scaled = hf.get('tie_word_embeddings', True)
-    fields.setdefault('scale_decoder_outputs', scaled)
+    fields['tie_word_embeddings'] = (lm_head is shared
+                                     or torch.equal(lm_head, shared))
+    fields.setdefault('scale_decoder_outputs',
+                      hf.get('tie_word_embeddings', True))
     config = T5Config(**fields)
     with torch.device("meta"):
         ours = {theirs: name for name, theirs in hf_names(T5(config))}
@@ -102,12 +99,9 @@ def read_hf(name_or_dir):
     return config, state_dict, tokenizer
 
 def save_pretrained(model, folder, tokenizer=None):
-    """config.json and model.safetensors, which transformers'
-    T5ForConditionalGeneration reads, and the tokenizer (its file's bytes;
-    None: T5's), recorded in config.json: a sentencepiece model as
-    spiece.model, a BPE's ranks as tokenizer.tiktoken, either as
-    transformers' tokenizer.json too. Each file written whole, config.json
-    last: a folder without it is no weights."""
+    """config.json, model.safetensors and the tokenizer (None: T5's), its
+    sha256 in config.json, each written whole, config.json last: a folder
+    without it is no weights"""
     from safetensors.torch import save
     c = model.config
     state_dict = model.state_dict()
@@ -136,11 +130,9 @@ def save_pretrained(model, folder, tokenizer=None):
         json.dump(hf, f, indent=2)
 
 def save_hf_tokenizer(tok, folder):
-    """The tokenizer as transformers' AutoTokenizer reads it on a plain
-    install (no protobuf, no tiktoken): tokenizer.json, by transformers'
-    converter from the spiece.model or ranks in folder, and
-    tokenizer_config.json; the sentinels special at their ids, EOS appended
-    to a text's ids as T5's tokenizer does"""
+    """tokenizer.json (transformers' converter) and tokenizer_config.json,
+    which AutoTokenizer reads without protobuf or tiktoken; EOS appended,
+    the sentinels special at their ids"""
     from tokenizers import AddedToken
     from tokenizers.processors import TemplateProcessing
     from transformers.convert_slow_tokenizer import (SpmConverter,
@@ -158,8 +150,8 @@ def save_hf_tokenizer(tok, folder):
         eos = pad = "<|endoftext|>"
         sentinels.insert(0, eos)
     else:
-        path = os.path.join(folder, 'spiece.model')
-        converted = SpiecesConverter(SimpleNamespace(vocab_file=path)).converted()
+        spiece = SimpleNamespace(vocab_file=f"{folder}/spiece.model")
+        converted = SpiecesConverter(spiece).converted()
         eos, pad = map(tok.sp.id_to_piece, (tok.eos_id, tok.pad_id))
     converted.add_special_tokens([AddedToken(s, normalized=False)
                                   for s in sentinels])
@@ -169,21 +161,19 @@ def save_hf_tokenizer(tok, folder):
         f.write(converted.to_str())
     config = dict(tokenizer_class='PreTrainedTokenizerFast', eos_token=eos,
                   pad_token=pad)
-    path = os.path.join(folder, 'tokenizer_config.json')
-    with atomic_write(path, 'w') as f:
+    with atomic_write(f"{folder}/tokenizer_config.json", 'w') as f:
         json.dump(config, f, indent=2)
 
 def download(repo_id):
-    """a Hub model's folder in the HF cache: config.json and the weights"""
+    """a Hub model's folder in the HF cache: config.json and the weights,
+    in seconds, not minutes of retries, when offline or unknown"""
     if (os.path.exists(repo_id) or repo_id.startswith(('.', '/', '~'))
             or repo_id.count('/') != 1):
         raise SystemExit(NOTHING_THERE.format(repo_id, ""))
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
-    # offline, an unknown or a gated repo: in seconds, not minutes of retries
     try:
-        # safetensors, else the older format
-        for weights in ('*.safetensors', 'pytorch_model*.bin'):
+        for weights in ('*.safetensors', 'pytorch_model*.bin'):  # or older
             files = ['config.json', 'spiece.model', 'tokenizer.tiktoken',
                      weights]
             folder = snapshot_download(repo_id, allow_patterns=files,
@@ -201,9 +191,8 @@ def download(repo_id):
     return folder
 
 def read_weights_file(folder):
-    """every tensor of the checkpoint in folder (sharded or not),
-    safetensors preferred, each mapped from its file: memory holds what
-    is used, when it is"""
+    """every tensor in folder's weights (sharded or not), mapped from its
+    file, safetensors preferred: memory holds what is used, when it is"""
     files = (sorted(glob.glob(f'{folder}/*.safetensors'))
              or glob.glob(f'{folder}/pytorch_model*.bin'))
     if not files:

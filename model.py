@@ -1,6 +1,6 @@
-"""A T5 v1.1 encoder-decoder in one file, numerically Hugging Face's T5ForConditionalGeneration.
-After the T5 paper (arxiv.org/abs/1910.10683), t5x, transformers'
-modeling_t5.py and gpt-fast (the static KV cache)."""
+"""A T5 v1.1 encoder-decoder, numerically Hugging Face's
+T5ForConditionalGeneration: after the T5 paper (arxiv.org/abs/1910.10683),
+t5x, transformers' modeling_t5.py and gpt-fast (the static KV cache)."""
 
 import dataclasses
 import math
@@ -13,8 +13,7 @@ import torch.nn.functional as F
 class T5Config:
     vocab_size: int = 32128  # 32100 pieces, padded to a multiple of 128
     d_model: int = 512
-    # head size; num_heads * d_kv need not be d_model
-    d_kv: int = 64
+    d_kv: int = 64  # head size; num_heads * d_kv need not be d_model
     d_ff: int = 1024
     num_layers: int = 8
     num_decoder_layers: int = 8
@@ -23,10 +22,8 @@ class T5Config:
     relative_attention_max_distance: int = 128
     dropout: float = 0.0
     layer_norm_eps: float = 1e-6
-    # the original T5 tied lm_head to shared; v1.1 does not
-    tie_word_embeddings: bool = False
-    # times d_model**-0.5 before lm_head; None: if tied
-    scale_decoder_outputs: bool | None = None
+    tie_word_embeddings: bool = False  # lm_head is shared: T5, not v1.1
+    scale_decoder_outputs: bool | None = None  # by d_model**-0.5; None: tied
     pad_token_id: int = 0
     eos_token_id: int = 1
     decoder_start_token_id: int = 0
@@ -81,16 +78,15 @@ def relative_position_bucket(relative_position, bidirectional,
     return bucket + torch.where(distance < max_exact, distance, large)
 
 class KVCache(nn.Module):
-    """self-attention's k, v so far, in fixed-shape buffers"""
-    def __init__(self, shape, dtype, device):  # shape: (B, nh, max_len, hs)
+    """self-attention's k, v so far, in buffers of a fixed shape"""
+    def __init__(self, shape, dtype, device):  # (B, nh, max_len, hs)
         super().__init__()
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros_like(k)
         self.register_buffer('k_cache', k, persistent=False)
         self.register_buffer('v_cache', v, persistent=False)
 
-    def update(self, pos, k, v):
-        # k, v (B, nh, T, hs) go to pos (T,)
+    def update(self, pos, k, v):  # k, v (B, nh, T, hs) go to pos (T,)
         self.k_cache.index_copy_(2, pos, k)
         self.v_cache.index_copy_(2, pos, v)
         return self.k_cache, self.v_cache
@@ -161,8 +157,7 @@ class GatedGELU(nn.Module):
 class EncoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
         super().__init__()
-        # T5's layer norm is RMSNorm (no mean, no bias),
-        # on the fp32 residual stream
+        # T5's layer norm is RMSNorm (no mean, no bias), on the fp32 stream
         self.ln_1 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
         self.attn = Attention(config, has_relative_attention_bias)
         self.ln_2 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
@@ -188,8 +183,7 @@ class DecoderBlock(nn.Module):
     def encoder_kv(self, encoder_out):
         """cross-attention's k, v (B, nh, S, hs): once per generate()"""
         k, v = self.cross_attn.kv(encoder_out)
-        # CPU attention reads strided k, v slower
-        if encoder_out.device.type == "cpu":
+        if encoder_out.device.type == "cpu":  # reads strided k, v slower
             k, v = k.contiguous(), v.contiguous()
         return k, v
 
@@ -257,44 +251,54 @@ class T5(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
+        # the weights' own seed, drawn first from torch's: FSDP draws them
+        # again from it (distributed.py), on any device
+        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = Encoder(config, EncoderBlock, config.num_layers)
         self.decoder = Decoder(config, DecoderBlock, config.num_decoder_layers)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
-        self.init_weights()
+        if not self.shared.weight.is_meta:  # meta: shapes, for FSDP to shard
+            self.init_weights()
+
+    def blocks(self):  # the encoder's, then the decoder's
+        return [*self.encoder.blocks, *self.decoder.blocks]
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.shared.weight
 
-    def init_weights(self):  # a tied lm_head gets shared's N(0, 1)
+    def init_weights(self):
+        """each tensor in turn from one generator of init_seed (a tied
+        lm_head gets shared's N(0, 1))"""
+        device = self.shared.weight.device
+        generator = torch.Generator(device).manual_seed(self.init_seed)
         for name, p in self.named_parameters():
-            self.init_parameter(name, p)
+            self.init_parameter(name, p, generator)
 
     @torch.no_grad()
-    def init_parameter(self, name, p):
+    def init_parameter(self, name, p, generator):
         """Mesh-TensorFlow's init: matrices N(0, 1/fan_in), q's
         N(0, 1/(fan_in * d_kv)) as attention skips 1/sqrt(d_kv); embeddings
         N(0, 1); an untied lm_head t5x's d_model**-0.5, not HF's 1.0
         (loss > 100 at start)."""
         c = self.config
         if p.dim() == 1:  # RMSNorm
-            nn.init.ones_(p)
-        elif name == 'shared.weight':
-            nn.init.normal_(p, std=1.0)
+            return nn.init.ones_(p)
+        if name == 'shared.weight':
+            std = 1.0
         elif name.endswith('relative_attention_bias.weight'):
-            nn.init.normal_(p, std=c.d_model ** -0.5)
+            std = c.d_model ** -0.5
         else:  # a matrix (out, in), lm_head included
-            fan_in = p.size(1) * (c.d_kv if name.endswith('.q.weight') else 1)
-            nn.init.normal_(p, std=fan_in ** -0.5)
+            std = (p.size(1) * (c.d_kv if name.endswith('.q.weight') else 1)) ** -0.5
+        nn.init.normal_(p, std=std, generator=generator)
 
     def num_params(self):  # a tied lm_head counts once
         return sum(p.numel() for p in self.parameters())
 
     def compute_dtype(self, device):
-        # the masks are built once in this dtype,
-        # as SDPA's fused kernels want q's
+        # the masks are built once in it, as SDPA's fused kernels want q's
         autocast = torch.is_autocast_enabled(device.type)
         if autocast:
             return torch.get_autocast_dtype(device.type)

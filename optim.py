@@ -4,78 +4,76 @@ nanoT5's optimizer, AdamWScale, and its learning-rate schedule.
 import math
 
 import torch
-from torch.optim.adamw import adamw
 
 class AdamWScale(torch.optim.Optimizer):
     """
-    nanoT5's AdamW: each tensor's Adam step is scaled by the tensor's
-    RMS, like Adafactor's parameter scaling, so that one lr (2e-2) moves
-    every weight by a similar fraction of its own size. Per tensor p with
-    gradient g, after t steps:
-        (1) m = b1*m + (1-b1)*g
-        (2) v = b2*v + (1-b2)*g^2
-        (3) step_size = lr * sqrt(1-b2^t)/(1-b1^t) * max(1e-3, RMS(p))
-        (4) p -= step_size * m / (sqrt(v) + eps)
-        (5) p -= lr * wd * p              # decoupled; if wd > 0
-    RMS(p) is taken before this update. (1)-(4) run as torch's fused
-    AdamW kernel, one call a tensor, which computes
-        p -= lr' / (1-b1^t) * m / (sqrt(v) / sqrt(1-b2^t) + eps')
-    that is (3)-(4) with lr' = lr * max(1e-3, RMS(p)) and
-    eps' = eps / sqrt(1-b2^t). Two hooks say what a tensor is: `local`,
-    the tensor this process updates, and `rms`; distributed.py's
-    ShardedAdamWScale overrides them for a rank's slices of tensors.
+    nanoT5's AdamW: each tensor's Adam step is scaled by its RMS, like
+    Adafactor's parameter scaling, so that one lr (2e-2) moves every weight
+    by a like fraction of its size. step() is the formula, a line over all
+    of a group's tensors at once. distributed.ShardedAdamWScale overrides
+    shards (what this process updates) and sum_over_shards (for the RMS).
     """
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.0):
+        # capturable: torch's flag for step counts kept on the parameters'
+        # device (no host sync); its load_state_dict puts them back there
         defaults = dict(lr=lr, betas=betas, eps=eps,
-                        weight_decay=weight_decay)
+                        weight_decay=weight_decay, capturable=True)
         super().__init__(params, defaults)
-        # a checkpoint's state loads to the CPU
-        self.register_load_state_dict_post_hook(AdamWScale.place)
 
-    def local(self, t):
-        return t
+    def shards(self, tensors):
+        return tensors
 
-    def rms(self, tensors):  # each tensor's root mean square, 0-d
-        return [t.norm() / math.sqrt(t.numel()) for t in tensors]
+    def sum_over_shards(self, squares):
+        return squares
 
-    def place(self):
-        """the step counts on the parameters' device, which the fused
-        kernel reads; the host's count t, for eps', from them"""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p in self.state:
-                    state = self.state[p]
-                    group["t"] = int(state["step"])
-                    device = self.local(p).device
-                    state["step"] = state["step"].to(device)
+    def rms(self, params):  # each tensor's root mean square, (n,)
+        norms = torch._foreach_norm(self.shards(params))
+        squares = self.sum_over_shards(torch.stack(norms).square())
+        return (squares / squares.new_tensor([p.numel() for p in params])).sqrt()
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: torch.optim's signature
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            beta1, beta2 = group["betas"]
-            lr, decay = group["lr"], group["weight_decay"]
-            # a group's tensors step together, as T5's do
-            group["t"] = t = group.get("t", 0) + 1
-            eps = group["eps"] / math.sqrt(1 - beta2 ** t)  # eps'
-            for p, p_rms in zip(params, self.rms(params)):
-                state = self.state[p]
-                if not state:  # float32: what the fused kernel reads
-                    device = self.local(p).device
-                    state.update(step=torch.zeros((), device=device),
-                                 exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p))
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                p, g, m, v = map(self.local, (p, p.grad, m, v))
-                p_lr = (lr * p_rms.clamp(min=1e-3)).float()  # lr'
-                adamw([p], [g], [m], [v], [], [state["step"]],
-                      fused=True, amsgrad=False, beta1=beta1,
-                      beta2=beta2, lr=p_lr, weight_decay=0.0, eps=eps,
-                      maximize=False)
-                if decay > 0:
-                    p.mul_(1 - lr * decay)  # (5)
+            if not params:
+                continue
+            (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(step=torch.zeros((), device=p.device),
+                                         exp_avg=torch.zeros_like(p),
+                                         exp_avg_sq=torch.zeros_like(p))
+            states = [self.state[p] for p in params]
+            t = [s["step"] for s in states]
+            torch._foreach_add_(t, 1)
+            t = torch.stack(t)  # each tensor's steps, this one included
+            rms = self.rms(params)  # of p before this step
+            p, g, m, v = (self.shards(x) for x in (
+                params, [p.grad for p in params],
+                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]))
+            # (1) m = b1*m + (1-b1)*g
+            torch._foreach_lerp_(m, g, 1 - b1)
+            # (2) v = b2*v + (1-b2)*g^2
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, g, g, 1 - b2)
+            # (3) step_size = lr * sqrt(1-b2^t)/(1-b1^t) * max(1e-3, RMS(p)),
+            # 1-b^t as -expm1(t log b), which float32 holds to its last digit
+            c1, c2 = (-torch.expm1(t * math.log(b)) for b in (b1, b2))
+            step_size = lr * c2.sqrt() / c1 * rms.clamp(min=1e-3)
+            # (4) p -= step_size * m / (sqrt(v) + eps), the denominator in the
+            # gradients' memory, read for the last time in (2): a copy would
+            # add 4 bytes a parameter to the step's peak
+            denom = g
+            torch._foreach_copy_(denom, v)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_div_(denom, list(step_size.unbind()))
+            torch._foreach_addcdiv_(p, m, denom, value=-1)
+            # (5) p -= lr * weight_decay * p, decoupled from the step
+            if group["weight_decay"] > 0:
+                torch._foreach_mul_(p, 1 - lr * group["weight_decay"])
 
 def get_lr(step, max_steps, lr, warmup_steps, warmup_start_factor,
            min_lr):
@@ -93,36 +91,26 @@ def get_lr(step, max_steps, lr, warmup_steps, warmup_start_factor,
     decayed = (step - warmup_steps) / (max_steps - warmup_steps)
     return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * decayed))
 
-class Pace:
-    """Where the schedule is, in steps, and how far each optimizer step
-    moves it: one step, or under a time budget (budget_s > 0), as far as
-    ends the schedule with the budget, at the pace last measured. At each
-    sync step, where the ranks agree on the clock (synced), the pace is
-    measured again: first at the second step (the first's time holds the
-    compile), then at check_step, halfway to the budget's end at that
-    pace. The position never goes back."""
+class TimeBudget:
+    """The schedule of a run that stops by the clock (Cramming's): each
+    step moves it as far as ends it with budget_s at the pace measured at
+    the second step (the first holds the compile), then at next_check,
+    halfway to the end. It never goes back."""
 
     def __init__(self, max_steps, budget_s, step, elapsed):
         self.max_steps, self.budget_s = max_steps, budget_s
-        self.step, self.elapsed, self.start = step, elapsed, step
-        self.position = elapsed / budget_s * max_steps if budget_s else step
-        self.rate = 0.0 if budget_s else 1.0
-        self.check_step = step + 2 if budget_s else 0
+        self.position = elapsed / budget_s * max_steps
+        self.rate = 0.0  # schedule steps per step, once measured
+        self.next_check = step + 2
 
-    def advance(self):  # the next step's position
+    def advance(self):  # the next step's position in the schedule
         self.position = min(self.position + self.rate, self.max_steps)
         return self.position
 
-    def synced(self, step, elapsed):
-        """at a sync step: the mean seconds of a step since the last one"""
-        step_s = (elapsed - self.elapsed) / (step - self.step)
-        first = self.step == self.start
-        self.step, self.elapsed = step, elapsed
-        if self.budget_s and not first:
-            left = max(1, math.ceil((self.budget_s - elapsed) / step_s))
-            self.check_step = step + math.ceil(left / 2)
-            self.rate = (self.max_steps - self.position) / left
-        return step_s
+    def measure(self, step, elapsed, step_s):
+        left = max(1, math.ceil((self.budget_s - elapsed) / step_s))
+        self.next_check = step + math.ceil(left / 2)
+        self.rate = (self.max_steps - self.position) / left
 
 def param_groups(model, weight_decay, no_decay=("ln_",)):
     """Two param groups: weight decay, and none for names holding one

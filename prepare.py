@@ -1,44 +1,27 @@
 """
-Tokenises a corpus into uint16 shards for T5 pre-training, and reads a prepared folder back: its
-meta.json and its tokenizer. data.py makes the batches.
-    python prepare.py --dataset=c4 --tokenizer=t5 --out_dir=data/c4    # C4 en, streamed
-    python prepare.py --dataset=c4 --max_train_tokens=4_800_000_000     # what nanoT5's recipe reads
-    python prepare.py --dataset=my.jsonl.gz --tokenizer=train --vocab_size=16000 --out_dir=data/my
-    python prepare.py --dataset=pydoc --tokenizer=train --vocab_size=1000 --out_dir=data/pydoc
-    python prepare.py --dataset=c4 --tokenizer=gpt2 --out_dir=data/c4_gpt2   # GPT-2's, by tiktoken
-out_dir gets train_000.bin, ..., val.bin, the tokenizer and meta.json (what
-each file holds); killed, the same command resumes after the last full shard.
+Tokenises a corpus into uint16 shards, the tokenizer and meta.json (what
+each file holds), and reads a prepared folder back; killed, the same
+command resumes after the last shard.
+    python prepare.py --dataset=c4 --tokenizer=t5 --out_dir=data/c4  # streamed
 """
-import base64
 import glob
 import hashlib
-import io
 import itertools
 import json
 import math
 import os
-import re
 import shlex
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, suppress
 
 import numpy as np
-import sentencepiece as spm
-import tiktoken
-import tiktoken_ext.openai_public
 from tqdm import tqdm
 
-from runtime import atomic_write, claim
+from runtime import atomic_write, lock_folder
+from tokenizer import (MAX_VOCAB_SIZE, Tokenizer, gpt2_ranks, hub_check,
+                       read_tokenizer, t5_spiece, train_spiece)
 
-NUM_SENTINELS = 100
-MAX_VOCAB_SIZE = (1 << 16) - NUM_SENTINELS  # ids are stored as uint16
-# sha256 of T5 v1.1's (and flan-t5's) spiece.model
-T5_SPIECE_SHA256 = "d60acb128cf7b7f2536e8f38a5b18a05535c9e14c7a355904270e15b0945ea86"
-# a tiktoken ranks file's first line; a .model is a protobuf
-TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+\n")
-# GPT-2's split into words, within which BPE merges bytes
-BPE_PATTERN = tiktoken_ext.openai_public.r50k_pat_str
 # -----------------------------------------------------------------------------
 # default config; --key=value overrides it
 # 'c4', 'pydoc' (offline), a Hub dataset or a .txt/.json/.jsonl/.parquet(.gz)
@@ -67,16 +50,12 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000,
             shard_tokens=100_000_000, val_fraction=0.005,
             max_val_tokens=10_000_000):
     """Tokenise dataset into out_dir and return its meta; a rerun resumes."""
-    settings = {
-        "dataset": dataset,
-        "text_field": text_field,
-        "tokenizer": tokenizer,
-        "vocab_size": vocab_size if tokenizer == "train" else None,
-        "max_train_tokens": max_train_tokens or None,
-        "shard_tokens": shard_tokens,
-        "val_fraction": val_fraction,
-        "max_val_tokens": max_val_tokens,
-    }
+    settings = dict(dataset=dataset, text_field=text_field,
+                    tokenizer=tokenizer,
+                    vocab_size=vocab_size if tokenizer == "train" else None,
+                    max_train_tokens=max_train_tokens or None,
+                    shard_tokens=shard_tokens, val_fraction=val_fraction,
+                    max_val_tokens=max_val_tokens)
     path = os.path.join(out_dir, "meta.json")
     meta = None
     if os.path.isfile(path):
@@ -117,13 +96,8 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000,
                 f"'{text_field}' values; a local file holds out one in "
                 f"{round(1 / val_fraction)})")
         os.makedirs(out_dir, exist_ok=True)
-        meta = {
-            "settings": settings,
-            **write_tokenizer(tokenizer, vocab_size, out_dir, docs),
-            "val": [],
-            "shards": [],
-            "complete": False,
-        }
+        meta = dict(settings=settings, val=[], shards=[], complete=False,
+                    **write_tokenizer(tokenizer, vocab_size, out_dir, docs))
         save()
     tok = load_tokenizer(dict(meta, data_dir=out_dir))
     write_shards(docs("val"), tok, num_proc, meta["val"], max_val_tokens,
@@ -170,7 +144,7 @@ def shard_name(split, i):
 
 def write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens,
                  save, out_dir, split):
-    """Tokenise docs into split's files of shard_tokens; shards: those done"""
+    """docs into split's files of shard_tokens; shards: those done"""
     doc, offset = ((shards[-1]["next_doc"], shards[-1]["next_offset"])
                    if shards else (0, 0))
     done = sum(s["tokens"] for s in shards)
@@ -216,7 +190,7 @@ def write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens,
             write(doc, 0)
 
 def encoded_chunks(docs, tok, num_threads, chunk_docs=1000):
-    """(ids, document lengths) per chunk of chunk_docs docs, in order; threads
+    """(ids, document lengths) per chunk of docs, in order; the threads
     (tokenizers release the GIL) run at most 2 chunks each ahead"""
     with ThreadPoolExecutor(num_threads) as pool:
         pending = deque()
@@ -230,21 +204,16 @@ def encoded_chunks(docs, tok, num_threads, chunk_docs=1000):
 # sources: the same documents, in order, on every run
 
 def documents(dataset, split, text_field="text", val_fraction=0.005):
-    """split 'train' or 'val'. A held-out val starts at the first document:
-    even a small file has one."""
-    if dataset == "pydoc":
-        texts = pydoc_documents()
-        # 0.5% of 2 MB would be 4 documents
-        val_fraction = max(val_fraction, 0.05)
+    """split 'train' or 'val'; a held-out val starts at the first document:
+    even a small file has one"""
+    if dataset == "pydoc":  # 0.5% of 2 MB would be 4 documents
+        texts, val_fraction = pydoc_documents(), max(val_fraction, 0.05)
     else:
         splits = open_dataset(dataset)
-        if "validation" in splits:  # its own: train keeps every document
-            texts = column(
-                splits["train" if split == "train" else "validation"],
-                text_field)
-            val_fraction = 1.0
-        else:
-            texts = column(splits["train"], text_field)
+        own = "validation" in splits  # then train keeps every document
+        name = "validation" if own and split == "val" else "train"
+        texts = column(splits[name], text_field)
+        val_fraction = 1.0 if own else val_fraction
     docs = (text.strip() for text in texts if text and text.strip())
     if val_fraction == 1:
         return docs
@@ -252,8 +221,7 @@ def documents(dataset, split, text_field="text", val_fraction=0.005):
     return (doc for i, doc in enumerate(docs)
             if (i % every == 0) == (split == "val"))
 
-def open_dataset(dataset):
-    """dataset's splits, streamed"""
+def open_dataset(dataset):  # its splits, streamed
     import datasets
     loader = LOADERS.get(
         os.path.splitext(dataset.lower().removesuffix(".gz"))[1])
@@ -304,199 +272,6 @@ def pydoc_documents():
                                   ast.FunctionDef, ast.AsyncFunctionDef))]
                 yield "\n\n".join(d for d in docstrings if d)
 
-def hub_check(repo_id, repo_type, hint):
-    """fail in seconds, not minutes of retries, if the Hub or repo is out of
-    reach"""
-    from huggingface_hub import HfApi
-    try:
-        HfApi().repo_info(repo_id, repo_type=repo_type, timeout=3)
-    except Exception as e:  # offline, no such or a private repo
-        raise SystemExit(
-            f"error: can't get the {repo_type} '{repo_id}' from the Hugging "
-            f"Face Hub ({type(e).__name__}): check the name, or {hint}"
-        ) from None
-
-# the tokenizer
-
-class Tokenizer:
-    """A tokenizer file's bytes (data), T5's sentinels after its ids:
-    <extra_id_i> = vocab_size - 1 - i. A sentencepiece model as T5's (pad 0,
-    eos 1, unk 2), or a byte-level BPE's tiktoken ranks file, split as GPT-2
-    splits: ids are the ranks, then <|endoftext|> as EOS, pad and decoder start
-    (GPT-2: EOS 50256, <extra_id_0> 50356). Its sha256 names it: two tokenizers
-    of one vocab size may give an id two meanings."""
-    def __init__(self, data):
-        self.data = data
-        self.sha256 = hashlib.sha256(data).hexdigest()
-        self.tiktoken = TIKTOKEN_LINE.match(data) is not None
-        if self.tiktoken:
-            ranks = read_ranks(data)
-            self.bpe = tiktoken.Encoding("bpe", pat_str=BPE_PATTERN,
-                                         mergeable_ranks=ranks,
-                                         special_tokens={})
-            self.encode = self.bpe.encode_ordinary
-            self.decode_run = self.bpe.decode
-            self.eos_id = self.pad_id = len(ranks)  # <|endoftext|>
-            self.unk_id = None  # bytes: no text is unknown
-            pieces = len(ranks) + 1
-        else:
-            self.sp = spm.SentencePieceProcessor(model_proto=data)
-            self.encode, self.decode_run = self.sp.encode, self.sp.decode
-            self.eos_id, self.pad_id = self.sp.eos_id(), self.sp.pad_id()
-            self.unk_id = self.sp.unk_id()
-            pieces = self.sp.get_piece_size()
-        self.vocab_size = pieces + NUM_SENTINELS
-        self.first_sentinel_id = self.vocab_size - 1
-
-    @property
-    def model_vocab_size(self):
-        """a model's vocab: the ids, padded for fast matmuls"""
-        return math.ceil(self.vocab_size / 128) * 128
-
-    def identity(self):  # what meta.json records, checked at every read
-        keys = ("tokenizer_sha256", "vocab_size", "model_vocab_size",
-                "eos_id", "pad_id", "first_sentinel_id")
-        return {key: getattr(self, key.removeprefix("tokenizer_"))
-                for key in keys}
-
-    def encode_documents(self, texts):
-        """(uint16 ids of all texts, each followed by EOS; each one's length)"""
-        # int arrays, not lists: a Python int per token would hold the GIL
-        if self.tiktoken:
-            ids = [np.append(self.bpe.encode_to_numpy(text), self.eos_id)
-                   for text in texts]
-        else:
-            ids = self.sp.encode(texts, add_eos=True, num_threads=1,
-                                 out_type="numpy")
-        lengths = np.array([len(x) for x in ids], dtype=np.int64)
-        return np.concatenate(ids).astype(np.uint16), lengths
-
-    def is_sentinel(self, i):
-        first = self.first_sentinel_id
-        return first - NUM_SENTINELS < i <= first
-
-    def decode(self, ids, skip_special_tokens=False):
-        """text as T5's tokenizer (a BPE's: its export's) shows it, or as HF's
-        skip_special_tokens=True (Tk-Instruct's)"""
-        specials = (self.eos_id, self.unk_id) if skip_special_tokens else ()
-        skipped = {self.pad_id, *specials}
-        parts = []
-        run = []
-        for i in map(int, ids):
-            if self.is_sentinel(i) and not skip_special_tokens:
-                parts += [self.decode_run(run),
-                          f"<extra_id_{self.first_sentinel_id - i}>"]
-                run = []
-            elif (not self.is_sentinel(i) and i not in skipped
-                  and i < self.vocab_size):  # not the model's padding
-                run.append(i)
-        joint = "" if self.tiktoken else " "  # a BPE's pieces keep their spaces
-        return joint.join(
-            part for part in parts + [self.decode_run(run)] if part)
-
-    def shown_length(self, ids, num_spans=3):
-        """how many of ids, a fill, hold its first num_spans spans"""
-        ends = (self.eos_id, self.first_sentinel_id - num_spans)
-        return next((i for i, token in enumerate(ids) if token in ends),
-                    len(ids))
-
-    def show_fill(self, inputs, fill, truth, num_spans=3, context=6):
-        """the input around its first num_spans sentinels, the model's fill and
-        the true one, as an evaluation prints them"""
-        inputs = np.asarray(inputs).tolist()
-        shown = [i for i, token in enumerate(inputs)
-                 if self.is_sentinel(token)][:num_spans]
-        keep = sorted({j for i in shown
-                       for j in range(i - context, i + context + 1)
-                       if 0 <= j < len(inputs)})
-        runs = (np.split(np.array(keep), np.nonzero(np.diff(keep) > 1)[0] + 1)
-                if keep else [])
-        text = " ... ".join(self.decode([inputs[j] for j in run]).strip()
-                            for run in runs)
-        start = "... " if keep and keep[0] > 0 else ""
-        fill = np.asarray(fill).tolist()
-        truth = np.asarray(truth).tolist()
-        return {
-            "input": start + text + " ...",
-            "model": self.decode(
-                fill[:self.shown_length(fill, num_spans)]).strip(),
-            "truth": self.decode(
-                truth[:self.shown_length(truth, num_spans)]).strip(),
-        }
-
-def read_tokenizer(path):
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        return Tokenizer(data)
-    except (RuntimeError, ValueError):  # sentencepiece's, or read_ranks'
-        raise SystemExit(
-            f"error: {path} is not a sentencepiece model or a tiktoken ranks "
-            f"file of a byte-level BPE") from None
-
-def read_ranks(data):
-    """{piece: rank} of a tiktoken ranks file. The ranks are the ids 0, 1, ...;
-    every byte is a piece, or some text could not be encoded."""
-    lines = (line.split(b" ") for line in data.splitlines() if line)
-    ranks = {base64.b64decode(piece, validate=True): int(rank)
-             for piece, rank in lines}
-    bytes_missing = any(bytes([b]) not in ranks for b in range(256))
-    if bytes_missing or sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError("not the ranks of a byte-level BPE")
-    return ranks
-
-def gpt2_ranks():
-    """GPT-2's BPE as a tiktoken ranks file (tiktoken downloads it once)"""
-    try:
-        gpt2 = tiktoken.get_encoding("gpt2")
-    except Exception as e:  # offline
-        raise SystemExit(
-            f"error: tiktoken can't get GPT-2's tokenizer "
-            f"({type(e).__name__}): connect once, or pass its ranks as "
-            f"--tokenizer=<file>.tiktoken") from None
-    pieces = sorted(gpt2.token_byte_values(), key=gpt2.encode_single_token)
-    return b"".join(
-        b"%s %d\n" % (base64.b64encode(p), gpt2.encode_single_token(p))
-        for p in pieces)
-
-def t5_spiece():
-    from huggingface_hub import hf_hub_download
-    try:
-        return hf_hub_download("google/t5-v1_1-base", "spiece.model",
-                               local_files_only=True)
-    except FileNotFoundError:  # not cached yet
-        hub_check("google/t5-v1_1-base", "model",
-                  "pass a local copy of T5's spiece.model instead")
-        return hf_hub_download("google/t5-v1_1-base", "spiece.model")
-
-def train_spiece(texts, vocab_size, max_chars=20_000_000):
-    lines, chars = [], 0
-    for text in texts:
-        lines += [line for line in text.splitlines() if line.strip()]
-        chars += len(text)
-        if chars >= max_chars:
-            break
-    model = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type="unigram",
-            pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
-            minloglevel=2,
-            num_threads=8)  # fixed: the model depends on it
-    except RuntimeError as e:
-        # "Vocabulary size too high (8000). Please set it to a value <= 3012."
-        bound = re.search(r"<= (\d+)| vs (\d+)", str(e))
-        fix = f": use --vocab_size={bound[1] or bound[2]}" if bound else ""
-        reason = str(e).split("] ")[-1].split(". ")[0]
-        raise SystemExit(
-            f"error: sentencepiece training failed: {reason}{fix}") from None
-    return model.getvalue()
-
-# a prepared folder, read back
-
 def prepare_command(settings, data_dir):
     flags = [f"--{key}={shlex.quote(str(value))}"
              for key, value in settings.items() if value is not None]
@@ -509,13 +284,11 @@ def prepare_again(settings, data_dir):  # the fix for a damaged folder
 
 def load_meta(data_dir, run_meta=None):
     """a complete prepared folder's meta.json, with data_dir, source and
-    counts. run_meta: that of a run's training data, which a missing folder's
-    error names"""
+    counts; run_meta: a run's data's, which a missing folder's line names"""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
         recipe = run_meta and run_meta["settings"] or RECIPES.get(
-            os.path.basename(os.path.normpath(data_dir)))
-        # the data its name says, or either
+            os.path.basename(os.path.normpath(data_dir)))  # or its name's
         recipes = [recipe] if recipe else RECIPES.values()
         commands = " or ".join(f"`{prepare_command(r, data_dir)}`"
                                for r in recipes)
@@ -542,8 +315,8 @@ def load_meta(data_dir, run_meta=None):
     return meta
 
 def load_tokenizer(meta):
-    """A prepared folder's tokenizer, the one meta.json records: another's ids
-    mean other pieces; a wrong EOS would end every row with another token."""
+    """a folder's tokenizer, as meta.json records it: another's ids mean
+    other pieces; a wrong EOS would end every row with another token"""
     path = os.path.join(meta["data_dir"], meta["tokenizer_file"])
     tok = read_tokenizer(path)
     wrong = [f"{key} {meta[key]} in meta.json, {value} in the tokenizer"
@@ -561,12 +334,11 @@ if __name__ == "__main__":
     check_config(config, [
         ("vocab_size", 0 < vocab_size <= MAX_VOCAB_SIZE,
          f"in [1, {MAX_VOCAB_SIZE}]"),
-        ("out_dir", out_dir and not os.path.isfile(out_dir), "a folder's path"),
         ("val_fraction", 0 < val_fraction < 1, "in (0, 1)"),
         ("max_train_tokens", max_train_tokens >= 0, ">= 0 (0: all)"),
         # meta.json lists every shard, rewritten after each: 2 MB at least
         ("shard_tokens", shard_tokens >= 1_000_000, ">= 1,000,000"),
         *[(key, globals()[key] > 0, "> 0")
           for key in ("num_proc", "max_val_tokens")]])
-    lock = claim(out_dir)  # one prepare.py at a time in a folder
+    lock = lock_folder(out_dir)  # one prepare.py at a time in a folder
     prepare(**config)

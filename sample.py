@@ -1,21 +1,16 @@
 """
-Fills in the sentinels of a text with a trained T5: nanoGPT's sample.py,
-for span corruption.
+Fills in a text's sentinels with a trained T5 (a run, or Hugging Face
+weights), nanoGPT's sample.py for span corruption; fills show [bracketed].
     python sample.py --init_from=out/t5_tiny --text="The <extra_id_0> is a small <extra_id_1> ."
-    python sample.py --init_from=google/t5-v1_1-base --text="Thank you <extra_id_0> me to a party."
-init_from: a run of train.py or finetune.py (its out_dir, ckpt/ or a step
-folder), read with the tokenizer its checkpoint carries, or Hugging Face
-weights (a Hub name, or a folder such as export.py writes), read with the
-spiece.model beside them or else T5's. The fills show [in brackets].
 """
 import os
 import re
 
 import torch
 
-from checkpoint import load, model_from_checkpoint, tokenizer_of
-from prepare import NUM_SENTINELS
+from checkpoint import load, model_from_checkpoint
 from runtime import print0, setup_runtime
+from tokenizer import NUM_SENTINELS, tokenizer_of
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")  # where the model fills in
 
@@ -35,8 +30,7 @@ def check_text(text):
 
 # -----------------------------------------------------------------------------
 init_from = "out/t5_tiny"
-# each gap a sentinel, once
-text = "The <extra_id_0> of a function is its <extra_id_1> ."
+text = "The <extra_id_0> of a function is its <extra_id_1> ."  # gaps, once each
 max_new_tokens = 64  # 100 sentinels of mean span 3 need ~400: the cache's size
 device = "auto"
 # -----------------------------------------------------------------------------

@@ -72,15 +72,17 @@ CASES = [
       "'model' is 't5-tiy'; it must be one of t5-mini, t5-tiny",
       "'batch_size' is 0", "'eval_interval' is 0", "'time_budget_hours' is -1.0"], "undo"),
     # values that trained silently wrong (a negative lr, weights that grow, a flag that meant nothing) or failed
-    # obscurely (a seed numpy refuses, an out_dir that is a file or empty), or never ended (an evaluation that reads
-    # val.bin 100,000 batches long, shards of one token each)
+    # obscurely (a seed numpy refuses, an out_dir or data_dir that is a file or empty), or never ended (an evaluation
+    # that reads val.bin 100,000 batches long, shards of one token each)
     ("train values that trained wrong", [*TRAIN, "--min_lr=-1e-05", "--warmup_steps=-1",
                                          "--warmup_start_factor=-1.0", "--weight_decay=-0.1", "--seed=-1",
-                                         "--peak_flops=-1.0", "--out_dir=", "--shard_across_nodes=True"],
+                                         "--peak_flops=-1.0", "--out_dir=", "--shard_across_nodes=True",
+                                         "--data_dir={corpus}"],
      ["'min_lr' is -1e-05; it must be >= 0", "'warmup_steps' is -1; it must be >= 0",
       "'warmup_start_factor' is -1.0; it must be in [0, 1]", "'weight_decay' is -0.1; it must be >= 0",
       "'seed' is -1; it must be in [0, 2**32)", "'peak_flops' is -1.0; it must be >= 0",
-      "'out_dir' is ''; it must be a folder's path", "'shard_across_nodes' is True; it must be False without fsdp"],
+      "'out_dir' is ''; it must be a folder's path", "'shard_across_nodes' is True; it must be False without fsdp",
+      "corpus.jsonl'; it must be a folder's path"],
      "undo"),
     # a schedule that cannot be what was meant: a "decay" that rises; a run that is all warmup, as t5_base.py's
     # 10,000 warmup steps would be for a shorter run
@@ -91,12 +93,13 @@ CASES = [
     ("finetune values", [*FINETUNE, "--eval_batch_size=0", "--max_new_tokens=-1", "--epochs=0", "--lr=0.0",
                          "--max_input_length=0", "--optimizer=sgd", "--dropout=-0.5", "--max_steps=-1",
                          "--num_pos_examples=-1", "--max_num_instances_per_task=0", "--weight_decay=-1.0",
-                         "--seed=4294967296", "--out_dir={corpus}"],
+                         "--seed=4294967296", "--out_dir={corpus}", "--data_dir={bad}/data.csv"],
      ["'eval_batch_size' is 0; it must be > 0", "'max_new_tokens' is -1", "'epochs' is 0; it must be > 0",
       "'lr' is 0.0; it must be > 0", "'max_input_length' is 0", "one of adamwscale, adamw",
       "'dropout' is -0.5", "'max_steps' is -1", "'num_pos_examples' is -1; it must be >= 0",
       "'max_num_instances_per_task' is 0; it must be > 0", "'weight_decay' is -1.0; it must be >= 0",
-      "'seed' is 4294967296; it must be in [0, 2**32)", "corpus.jsonl'; it must be a folder's path"], "undo"),
+      "'seed' is 4294967296; it must be in [0, 2**32)", "corpus.jsonl'; it must be a folder's path",
+      "data.csv'; it must be a folder's path"], "undo"),
     # fine-tuning starts from trained weights: auto and scratch name none
     ("finetune auto", [*FINETUNE, "--init_from=auto"], "'init_from' is 'auto'; it must be the weights to fine-tune",
      "undo"),
@@ -112,8 +115,8 @@ CASES = [
      ["'steps' is 0; it must be > 0", "'burn_in' is -1; it must be >= 0", "'model' is 't5-tiy'", "'compare' is 'HF'",
       "'input_length' is 2", "'grad_accum_steps' is 0", "'batch_size' is -4; it must be >= 0",
       "'threads' is -1; it must be >= 0"], "undo"),
-    ("bench profile with compare", [*BENCH, "--profile=True", "--compare=hf"],
-     "'profile' is True; it must be False with --compare", "undo"),
+    ("bench batch that won't split", [*BENCH, "--batch_size=3", "--grad_accum_steps=2"],
+     "batch_size=3 must split evenly into grad_accum_steps=2", "undo"),
     ("sample values", [*SAMPLE, "--max_new_tokens=100000"], "'max_new_tokens' is 100000; it must be in [1, 1024]",
      "undo"),
     ("train dtype", [*TRAIN, "--dtype=float16"], "dtype 'float16' is not one of float32, tfloat32, bfloat16", "undo"),
@@ -148,8 +151,6 @@ CASES = [
     ("train resume at max_steps", [*TRAIN, "--max_steps=1"], "is at step 1 of max_steps=1", "undo"),
     # 5. a path names what the command needs (test_prepare.py: a corpus not found, without the text field, prepared
     # with other settings; test_train.py: data_dir without data; test_finetune.py: data_dir without SNI)
-    ("train data_dir a file", [*TRAIN, "--data_dir={corpus}"], "'data_dir' is", "undo"),
-    ("finetune data_dir a file", [*FINETUNE, "--data_dir={corpus}"], "'data_dir' is", "undo"),
     ("train init_from Resume", [*TRAIN, "--out_dir={tmp}/out", "--init_from=Resume"],
      "did you mean --init_from=resume?", "undo"),
     ("train init_from a file that is no checkpoint", [*TRAIN, "--out_dir={tmp}/out", "--init_from={corpus}"],

@@ -1,6 +1,5 @@
-"""bench.py's functions called directly, as a test or a notebook would: a tiny training step, its peak memory, and
-the first (compiling) call reported apart."""
-import re
+"""bench.py's functions called directly, as a test or a notebook would: a tiny training step, and the first
+(compiling) call reported apart."""
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ def test_bench_train_tiny():
     rt = setup_runtime("cpu", "float32")
     dt, tokens_per_s, mfu, memory, first = bench.bench_train(rt, *TINY, False, **ONE_STEP)
     assert dt > 0 and tokens_per_s == pytest.approx(4 * (32 + TARGETS) / dt)
-    assert mfu is None and memory > 0 and first > 0  # no known peak on a CPU
+    assert mfu is None and not memory and first > 0  # no known peak, no GPU's memory on a CPU
     # with a peak given, MFU is the model's FLOPs per second over it
     dt, _, mfu, _, _ = bench.bench_train(rt, *TINY, False, peak_flops=1e12, **ONE_STEP)
     flops = flops_per_step(bench.build_model(rt, "t5-tiny", 256), 4, 32, TARGETS)
@@ -52,28 +51,6 @@ def run_bench(*args, eager=False, prelude=""):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-HOLD_MORE = """
-import distributed
-clip_grad_norm = distributed.clip_grad_norm
-
-def clip_and_hold_more(*args):
-    torch.ones(2**27).add_(1)  # 512 MiB more in each step, written, so resident
-    return clip_grad_norm(*args)
-distributed.clip_grad_norm = clip_and_hold_more  # bench.py imports it from distributed
-"""
-
-
-def test_each_run_gets_its_own_peak_memory():
-    # two runs, started while this process holds 2 GiB: an earlier test's memory stays in this one, and Linux's
-    # getrusage gives a process started by fork and exec the peak of its parent as well
-    held = torch.ones(2**29)  # 2 GiB, resident
-    runs = [run_bench("--compile=False", "--dtype=float32", "--batch_size=4", "--burn_in=1", prelude=HOLD_MORE),
-            run_bench("--compile=True", "--dtype=bfloat16", "--batch_size=4", "--burn_in=1", eager=True)]
-    del held
-    first, second = (float(re.search(r"peak memory ([\d.]+) GB", r.stdout).group(1)) for r in runs)
-    assert second < first - 0.25 and first < 2, [r.stdout + r.stderr for r in runs]
-
-
 def test_no_burn_in_still_prints_the_result():
     r = run_bench("--compile=True", "--dtype=float32", "--burn_in=0", eager=True)
     assert r.returncode == 0 and "ms/step" in r.stdout and "first call" not in r.stdout, r.stdout + r.stderr
@@ -92,18 +69,6 @@ def test_side_by_side_reports_the_first_call_apart(capsys):
                        burn_in=2, compiled=True)
     out = capsys.readouterr().out
     assert out.count("first call (compile):") == 2 and calls.count("a") == calls.count("b") == 4
-
-
-def test_profile_prints_the_steps_kernels_and_the_attention_kernel(capsys):
-    rt = setup_runtime("cpu", "float32")
-    bench.bench_train(rt, *TINY, False, profile=True, **ONE_STEP)
-    out = capsys.readouterr().out
-    phases = next(line for line in out.splitlines() if line.startswith("one step by phase: "))
-    assert re.fullmatch(r"one step by phase: forward [\d.]+ ms \| backward [\d.]+ ms \| clip [\d.]+ ms"
-                        r" \| optimizer [\d.]+ ms", phases)
-    assert "Self CPU time total" in out and "aten::mm" in out  # torch.profiler's table
-    attention = next(line for line in out.splitlines() if line.startswith("attention: "))
-    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in attention
 
 
 def test_compare_times_each_side_then_the_ratio():

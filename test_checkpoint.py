@@ -14,7 +14,7 @@ from hf import save_pretrained
 import runtime
 from model import T5, T5Config
 from optim import AdamWScale
-from prepare import T5_SPIECE_SHA256, train_spiece
+from tokenizer import T5_SPIECE_SHA256, check_tokenizer, tokenizer_sha256, train_spiece
 from runtime import atomic_write
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
@@ -78,18 +78,6 @@ def test_pruning_takes_only_step_folders_and_the_newest_complete_one_is_found(tm
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-2", "step-3", "step-4000.bak", "step-5", "step-abc"]
 
 
-def test_the_newest_step_folder_wins_over_the_layout_before_step_folders(tmp_path):
-    # runs before step folders wrote .metadata into ckpt/ itself: a resume of such a run saves step folders beneath,
-    # and from then on the newest of those is the run's checkpoint, wherever it is looked for
-    tiny_run(tmp_path / "old", step=4)
-    old = tmp_path / "run" / "ckpt"
-    shutil.copytree(tmp_path / "old" / "ckpt" / "step-4", old)
-    assert C.find_checkpoint(str(old)) == C.find_checkpoint(str(tmp_path / "run")) == str(old)
-    shutil.copytree(tmp_path / "old" / "ckpt" / "step-4", old / "step-6")
-    for path in (old, tmp_path / "run"):
-        assert C.find_checkpoint(str(path)) == str(old / "step-6")
-
-
 def full_disk(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -129,8 +117,8 @@ def test_a_new_run_never_replaces_another_runs_files(tmp_path):
     with pytest.raises(SystemExit, match="ckpt exists and this run would replace it: pass another --out_dir, "
                                          "or --init_from=resume"):
         C.check_new_run(str(tmp_path))
-    for name in ("log.jsonl", "metrics.json", "predictions.jsonl", "ckpt.pt"):  # a run killed before its first
-        (tmp_path / f"has_{name}").mkdir()  # checkpoint, a fine-tuning's results, an older run's checkpoint
+    for name in ("log.jsonl", "metrics.json", "predictions.jsonl"):  # a run killed before its first checkpoint,
+        (tmp_path / f"has_{name}").mkdir()  # a fine-tuning's results
         (tmp_path / f"has_{name}" / name).write_text("{}")
         with pytest.raises(SystemExit, match=f"{name} exists and this run would replace it: pass another "
                                              f"--out_dir$"):  # no resume to suggest: it would find none
@@ -146,8 +134,8 @@ def test_resume_refuses_other_settings_and_reports_changes(tmp_path, capsys):
     path = tmp_path / "ckpt" / "step-7"
     changed = dict(config, lr=0.01, max_steps=20, init_from="resume")
     fixed = ("model", "optimizer", "weight_decay")
-    how, ckpt = C.start_from("resume", str(tmp_path), "train.py", changed, fixed)
-    assert how == "resume" and ckpt["step"] == 7
+    resuming, ckpt = C.start_from("resume", str(tmp_path), "train.py", changed, fixed)
+    assert resuming and ckpt["step"] == 7
     assert capsys.readouterr().out == (f"resuming from {path} at step 7; changed on resume: lr 0.02 -> 0.01, "
                                        "max_steps 10 -> 20\n")
     with pytest.raises(SystemExit, match="other settings \\(model 't5-tiny' -> 't5-v1_1-small', optimizer "
@@ -156,17 +144,11 @@ def test_resume_refuses_other_settings_and_reports_changes(tmp_path, capsys):
                                                                 weight_decay=0.1), fixed)
     other_data = {"settings": {"tokenizer": "train", "vocab_size": 4000}}
     with pytest.raises(SystemExit, match="data.tokenizer 't5' -> 'train', data.vocab_size None -> 4000"):
-        C.check_data(ckpt, other_data, how)
+        C.check_data(ckpt, other_data, resuming)
     with pytest.raises(SystemExit, match="was written by train.py, and finetune.py resumes only its own runs"):
-        C.start_from("resume", str(tmp_path), "finetune.py", changed, fixed=())
+        C.start_from("resume", str(tmp_path), "finetune.py", changed, kept_on_resume=())
     with pytest.raises(SystemExit, match="no checkpoint to resume in .*/nothing: train one first"):
-        C.start_from("resume", str(tmp_path / "nothing"), "train.py", changed, fixed=())
-    older = tmp_path / "older"
-    older.mkdir()
-    torch.save({"model": {}, "model_config": {}, "meta": None}, older / "ckpt.pt")
-    with pytest.raises(SystemExit, match="ckpt.pt is an older run's checkpoint file, which a resume does not "
-                                         "continue: start from its weights with --init_from=.*ckpt.pt"):
-        C.start_from("resume", str(older), "train.py", changed, fixed=())
+        C.start_from("resume", str(tmp_path / "nothing"), "train.py", changed, kept_on_resume=())
 
 
 def test_a_step_count_saved_as_float64_resumes_exactly(tmp_path):
@@ -213,14 +195,14 @@ def test_weights_meet_only_data_of_their_own_tokenizer(tmp_path):
     save_pretrained(T5(T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2)),
                       str(tmp_path / "hf"))
     hf = C.load(str(tmp_path / "hf"))
-    assert hf["tokenizer"] is None and C.tokenizer_sha256(hf) == T5_SPIECE_SHA256
+    assert hf["tokenizer"] is None and tokenizer_sha256(hf) == T5_SPIECE_SHA256
     meta = {"data_dir": "data/mine", "tokenizer_sha256": "0" * 64, "model_vocab_size": 32128}
     with pytest.raises(SystemExit, match="hf was trained with another tokenizer \\(sha256 d60acb128cf7, model "
                                          "vocab 32128\\) than data/mine's \\(sha256 000000000000, 32128\\)"):
-        C.check_tokenizer(hf, meta, str(tmp_path / "hf"))
-    C.check_tokenizer(hf, dict(meta, tokenizer_sha256=T5_SPIECE_SHA256), "hf")  # T5's data: its own
+        check_tokenizer(hf, meta, str(tmp_path / "hf"))
+    check_tokenizer(hf, dict(meta, tokenizer_sha256=T5_SPIECE_SHA256), "hf")  # T5's data: its own
     with pytest.raises(SystemExit, match="model vocab 32128\\) than data/mine's \\(sha256 d60acb128cf7, 256\\)"):
-        C.check_tokenizer(hf, dict(meta, tokenizer_sha256=T5_SPIECE_SHA256, model_vocab_size=256), "hf")
+        check_tokenizer(hf, dict(meta, tokenizer_sha256=T5_SPIECE_SHA256, model_vocab_size=256), "hf")
 
 
 def test_an_export_names_its_tokenizer_and_reads_no_other(tmp_path):
@@ -250,15 +232,15 @@ def test_the_divergence_line_names_a_fix_that_works(tmp_path):
 def test_a_second_claim_of_an_out_dir_is_refused_and_a_filesystem_without_locks_warns(tmp_path, monkeypatch, capsys):
     # flock's lock belongs to the open file: a second claim fails as another process's would, and the first's
     # closing frees the folder at once
-    first = runtime.claim(str(tmp_path / "out"))
+    first = runtime.lock_folder(str(tmp_path / "out"))
     with pytest.raises(SystemExit, match=f"error: {tmp_path}/out is in use by a run still going"):
-        runtime.claim(str(tmp_path / "out"))
+        runtime.lock_folder(str(tmp_path / "out"))
     first.close()
-    runtime.claim(str(tmp_path / "out")).close()
+    runtime.lock_folder(str(tmp_path / "out")).close()
 
     def no_locks(*args):
         raise OSError(errno.ENOLCK, "No locks available")
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    runtime.claim(str(tmp_path / "out")).close()
+    runtime.lock_folder(str(tmp_path / "out")).close()
     assert capsys.readouterr().out == f"warning: {tmp_path}/out can't be locked (No locks available): run nothing " \
                                       f"else in it\n"

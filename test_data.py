@@ -10,6 +10,7 @@ import torch
 
 import data as D
 import prepare as P
+from tokenizer import NUM_SENTINELS
 from test_prepare import SHARD_TOKENS, batches, copy_of, corpus, data_dir, folder_bytes  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
@@ -55,13 +56,13 @@ def uncorrupt(inputs, targets, first_sentinel_id):
     assert inputs[-1] == targets[-1]  # both end with EOS
     spans, current = {}, None
     for t in targets[:-1]:
-        if first_sentinel_id - P.NUM_SENTINELS < t <= first_sentinel_id:
+        if first_sentinel_id - NUM_SENTINELS < t <= first_sentinel_id:
             current = spans.setdefault(int(t), [])
         else:
             current.append(int(t))
     row, is_noise = [], []
     for t in inputs[:-1]:
-        span = spans.pop(int(t)) if first_sentinel_id - P.NUM_SENTINELS < t <= first_sentinel_id else None
+        span = spans.pop(int(t)) if first_sentinel_id - NUM_SENTINELS < t <= first_sentinel_id else None
         row.extend([int(t)] if span is None else span)
         is_noise.extend([False] if span is None else [True] * len(span))
     assert not spans  # every target span was used

@@ -21,9 +21,9 @@ from finetune import (build_prompt, collate, compute_metrics, generate_predictio
 from model import T5, T5Config
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, save_checkpoint
 from hf import save_pretrained
-from checkpoint import tokenizer_of
+from tokenizer import tokenizer_of
 from prepare import prepare
-from test_train import saved_step, wandb_runs
+from test_train import TINY, data_dir, saved_step, wandb_runs  # noqa: F401 (data_dir is a fixture)
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
@@ -258,13 +258,13 @@ def test_finetune_then_evaluate(sni_dir, ckpt_path, tmp_path):
 
 
 def test_ids_past_the_model_vocab_are_caught_at_loading(sni_dir, ckpt_path, tmp_path):
-    ckpt = load_checkpoint(find_checkpoint(ckpt_path))
-    del ckpt["shards"]  # as an older run's ckpt.pt held it
+    # a run of the pre-training's tokenizer whose model has a vocab of 8
+    ckpt = load_checkpoint(find_checkpoint(ckpt_path), weights=False)
     small = T5(T5Config(**{**ckpt["model_config"], "vocab_size": 8}))
-    ckpt["model"], ckpt["model_config"]["vocab_size"] = small.state_dict(), 8
-    path = str(tmp_path / "small.pt")
-    torch.save(ckpt, path)
-    r = run([f"--data_dir={sni_dir}", f"--init_from={path}", "--device=cpu", f"--out_dir={tmp_path}"])
+    path = str(tmp_path / "small")
+    save_checkpoint(path, small, torch.optim.AdamW(small.parameters()), 0, 0.0,
+                    {key: ckpt[key] for key in ("program", "config", "meta", "tokenizer")})
+    r = run([f"--data_dir={sni_dir}", f"--init_from={path}", "--device=cpu", f"--out_dir={tmp_path / 'out'}"])
     assert r.returncode == 1 and "vocab_size 8" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -322,3 +322,52 @@ def test_a_signal_saves_and_stops_and_the_resume_reads_the_tokenizer_of_the_star
     assert first.run_id == again.run_id == wandb_id == resumed["wandb_id"]
     assert "loss" in first_history[step] and "rougeL" in first_history[step - 1]
     assert "loss" in again_history[step + 1] and "rougeL" in again_history[step + 1]
+
+
+# scripts run one after another in one process (json: [[script, args], ...] in argv[2]) under sys.setprofile (and
+# threading.setprofile, for the data's threads): the project functions each calls, by file, as JSON in argv[1].
+# Importing a file is no call.
+PROFILED = """
+import json, os, runpy, sys, threading
+repo, out, runs = {repo!r}, sys.argv[1], json.loads(sys.argv[2])
+sys.path[0] = repo
+import numpy, sentencepiece, tiktoken, torch, torch.distributed.fsdp, tqdm  # imported before: profiled, slow
+called = set()
+
+def profile(frame, event, arg):
+    code = frame.f_code  # functions only (CO_OPTIMIZED): not a module's or a class's body
+    if event == "call" and code.co_flags & 1 and os.path.dirname(os.path.abspath(code.co_filename)) == repo:
+        called.add((os.path.basename(code.co_filename), code.co_qualname))
+calls = {{}}
+for script, args in runs:
+    called.clear()
+    sys.argv = [script, *args]
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    runpy.run_path(script, run_name="__main__")
+    sys.setprofile(None)
+    threading.setprofile(None)
+    calls[script] = sorted(called)
+json.dump(calls, open(out, "w"))
+"""
+
+
+def test_a_one_process_run_calls_nothing_of_the_multi_gpu_file(sni_dir, ckpt_path, data_dir, tmp_path):  # noqa: F811
+    """train.py, finetune.py and bench.py without torchrun: a one-GPU reader never needs distributed.py"""
+    script = tmp_path / "profiled.py"
+    script.write_text(PROFILED.format(repo=REPO))
+    runs = {"train.py": [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'train'}", "--max_steps=1",
+                         "--eval_interval=1", "--warmup_steps=1"],
+            "finetune.py": [f"--data_dir={sni_dir}", *SMALL_RUN, f"--init_from={ckpt_path}",
+                            f"--out_dir={tmp_path / 'finetune'}", "--max_steps=1"],
+            "bench.py": ["--device=cpu", "--model=t5-mini", "--batch_size=2", "--input_length=32", "--steps=1",
+                         "--burn_in=0", "--compile=False", "--dtype=float32"]}
+    calls = tmp_path / "calls.json"
+    r = subprocess.run([sys.executable, str(script), str(calls), json.dumps(list(runs.items()))], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr
+    for name, called in json.load(open(calls)).items():
+        files = {file for file, _ in called}
+        assert {"model.py", "optim.py", "runtime.py", "checkpoint.py"} & files and name in files, (name, files)
+        assert [function for file, function in called if file == "distributed.py"] == [], name

@@ -152,15 +152,13 @@ def test_sharded_checkpoint_loads_into_one_process_and_exports(runs, tmp_path):
 
 
 def test_fsdp_ranks_start_from_whole_weights_as_one_process(runs, data_dir, tmp_path):  # noqa: F811
-    # --init_from an older run's ckpt.pt (one file, the whole model), or a run's export to Hugging Face's
-    # safetensors: every rank maps the file and copies out its own slices. 2 ranks log one process's losses from the
-    # same weights.
+    # --init_from a run's export to Hugging Face's safetensors, one file of the whole model: every rank maps the file
+    # and copies out its own slices. 2 ranks log one process's losses from the same weights.
     ckpt = load_checkpoint(find_checkpoint(runs["one"][0]))
-    weights, hf = str(tmp_path / "ckpt.pt"), str(tmp_path / "hf")
-    torch.save({key: ckpt[key] for key in ("program", "model_config", "step", "config", "meta", "model")}, weights)
+    hf = str(tmp_path / "hf")
     save_pretrained(model_from_checkpoint(ckpt), hf, ckpt["tokenizer"])  # as export.py writes it
     logs = {}
-    for name, launch, start in (("one", [], hf), ("hf", TORCHRUN, hf), ("pt", TORCHRUN, weights)):
+    for name, launch, start in (("one", [], hf), ("hf", TORCHRUN, hf)):
         out_dir = str(tmp_path / name)
         extra = ["--fsdp=True"] if launch else ["--grad_accum_steps=2"]
         r = run([*launch, "train.py", *ARGS, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_steps=3",
@@ -169,7 +167,6 @@ def test_fsdp_ranks_start_from_whole_weights_as_one_process(runs, data_dir, tmp_
         logs[name] = read_log(out_dir)
     assert logs["one"].keys() == {1, 2, 3}
     assert logs["hf"] == pytest.approx(logs["one"], rel=1e-4)
-    assert logs["pt"] == pytest.approx(logs["one"], rel=1e-4)
 
 
 def test_kill_and_resume_is_exact(runs, data_dir, tmp_path):  # noqa: F811
@@ -258,16 +255,14 @@ import os, resource, signal, sys
 sys.path.insert(0, {repo!r})
 import torch
 from checkpoint import save_checkpoint
-from distributed import draw_weights, join, shard_optimizer, wrap_model
-from model import T5, T5Config
+from distributed import join, shard_optimizer, sharded_t5
+from model import T5Config
 from optim import make_optimizer, param_groups
 from runtime import setup_runtime
 rt = setup_runtime("cpu", "float32", 0, fsdp=True)
 join(rt)
-with torch.device("meta"):
-    t5 = T5(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2))
-wrap_model(t5, rt, fsdp=True)
-draw_weights(t5)
+t5 = sharded_t5(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+                         num_heads=2), rt)
 opt = shard_optimizer(make_optimizer("adamwscale", param_groups(t5, 0.0), 1e-3))
 RUN = dict(program="train.py", config={{}}, meta=None, tokenizer=None)
 save_checkpoint(sys.argv[1], t5, opt, 1, 0.0, RUN)
@@ -329,7 +324,7 @@ def test_finetune_evaluates_fewer_test_examples_than_ranks(runs, sni_dir, tmp_pa
 
 def test_sample_reads_a_sharded_checkpoint(runs):
     from sample import encode, fill_in
-    from checkpoint import tokenizer_of
+    from tokenizer import tokenizer_of
     out = runs["fsdp"][0]
     text = "The river <extra_id_0> the city."
     r = run(["sample.py", f"--init_from={out}", f"--text={text}", "--device=cpu", "--max_new_tokens=8"])
@@ -349,9 +344,9 @@ import collections, json, os, sys
 sys.path.insert(0, {repo!r})
 import torch
 from model import T5, T5Config
-from distributed import ShardedAdamWScale, clip_grad_norm, draw_weights, join, wrap_model
+from distributed import ShardedAdamWScale, clip_grad_norm, join, sharded_t5
 from optim import AdamWScale, param_groups
-from runtime import Runtime, setup_runtime
+from runtime import Runtime, checkpoint_activations, setup_runtime
 
 join(setup_runtime("cpu", "float32", seed=0))  # joins the process group
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -370,10 +365,13 @@ mine = {{key: t.chunk(world)[rank] for key, t in batch.items()}}
 def losses(dtype, fsdp, activation_checkpointing, steps=3):
     rt = Runtime("cpu", "cpu", dtype, fsdp, rank, rank, world)  # dtype as given: bf16 on any CPU
     torch.manual_seed(0)
-    with torch.device("meta"):
+    if fsdp:
+        t5 = sharded_t5(config, rt, activation_checkpointing=activation_checkpointing)
+    else:
         t5 = T5(config)
-    model = wrap_model(t5, rt, fsdp, activation_checkpointing=activation_checkpointing)
-    draw_weights(t5)
+        if activation_checkpointing:
+            checkpoint_activations(t5)
+    model = t5
     opt = (ShardedAdamWScale if fsdp else AdamWScale)(model.parameters(), lr=1e-2)
     gathers.clear()
     out = []
@@ -407,10 +405,7 @@ def losses(dtype, fsdp, activation_checkpointing, steps=3):
                 uneven=uneven, decoding_all_reduces=reduces)
 
 def adamwscale_all_reduces():  # of an AdamWScale step under FSDP: its second (the first also makes its state)
-    with torch.device("meta"):
-        t5 = T5(config)
-    wrap_model(t5, Runtime("cpu", "cpu", "float32", True, rank, rank, world), fsdp=True)
-    draw_weights(t5)
+    t5 = sharded_t5(config, Runtime("cpu", "cpu", "float32", True, rank, rank, world))
     opt = ShardedAdamWScale(param_groups(t5, weight_decay=0.0), lr=1e-2)  # 2 groups
     for _ in range(2):
         t5(**mine)[1].backward()
@@ -424,10 +419,7 @@ results = {{f"{{dtype}} {{fsdp}} {{ac}}": losses(dtype, fsdp, ac) for dtype in (
 results["adamwscale_all_reduces"] = adamwscale_all_reduces()
 
 def clip_all_reduces():  # of clipping the gradients under FSDP: the total norm, reduced once
-    with torch.device("meta"):
-        t5 = T5(config)
-    wrap_model(t5, Runtime("cpu", "cpu", "float32", True, rank, rank, world), fsdp=True)
-    draw_weights(t5)
+    t5 = sharded_t5(config, Runtime("cpu", "cpu", "float32", True, rank, rank, world))
     t5(**mine)[1].backward()
     with torch.profiler.profile() as profile:
         clip_grad_norm(t5, 1.0)

@@ -15,6 +15,7 @@ import pytest
 
 import data as D
 import prepare as P
+import tokenizer as T
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
@@ -338,7 +339,7 @@ def test_tokenizer_training_reports_a_failure_to_read_as_itself():
         yield "some text to learn a vocabulary from " * 50
         raise KeyboardInterrupt  # Ctrl-C while the corpus is read
     with pytest.raises(KeyboardInterrupt):
-        P.train_spiece(texts(), 100)
+        T.train_spiece(texts(), 100)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -405,8 +406,8 @@ def test_gpt2_is_tiktokens_encoding_written_as_a_ranks_file(monkeypatch):
     ranks = {bytes([b]): b for b in range(256)} | {pair: 256 + i for i, pair in zip(range(50_000), pairs)}
     gpt2 = reference_encoding(ranks, **{"<|endoftext|>": 50256})
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: {"gpt2": gpt2}[name])
-    tok = P.Tokenizer(P.gpt2_ranks())
-    assert P.read_ranks(tok.data) == ranks and tok.eos_id == tok.pad_id == gpt2.eot_token == 50256
+    tok = T.Tokenizer(T.gpt2_ranks())
+    assert T.read_ranks(tok.data) == ranks and tok.eos_id == tok.pad_id == gpt2.eot_token == 50256
     assert (tok.vocab_size, tok.first_sentinel_id, tok.model_vocab_size) == (50357, 50356, 50432)  # in uint16
     text = "GPT-2's ranks, then <|endoftext|>: ids to 50,356."
     assert tok.encode(text) == gpt2.encode_ordinary(text)

@@ -70,7 +70,7 @@ rt.nodes = 2  # 4 ranks as if on 2 nodes: FSDP's mesh is HSDP's, (replicate, sha
 with torch.device("meta"):
     t5 = T5(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2))
 distributed.shard_model(t5, rt)
-shard = rt.groups[2]  # the mesh's group of ranks 0 and 1 (or 2 and 3)
+shard = distributed.GROUPS[2]  # the mesh's group of ranks 0 and 1 (or 2 and 3)
 
 def late_all_reduce(group):  # ranks 1 and 3 come 3 s late: whether rank 0 waits for them
     if rt.rank % 2 == 1:
@@ -83,7 +83,7 @@ def late_all_reduce(group):  # ranks 1 and 3 come 3 s late: whether rank 0 waits
 
 assert torch.distributed.get_process_group_ranks(shard) == [rt.rank // 2 * 2, rt.rank // 2 * 2 + 1]
 starting = [late_all_reduce(group) for group in (None, shard)]
-distributed.set_timeout(rt, distributed.TRAIN_TIMEOUT)  # the loop's first step is done: the run has started
+distributed.set_timeout(distributed.TRAIN_TIMEOUT)  # the loop's first step is done: the run has started
 training = [late_all_reduce(group) for group in (shard, None)]
 if rt.rank == 0:
     print(*starting, *training, flush=True)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import prepare as P
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, tokenizer_of
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
 from hf import read_hf, save_pretrained
 from sample import check_text, encode, fill_in
+from tokenizer import tokenizer_of
 from test_prepare import write_bpe_ranks, write_c4_jsonl
 from test_train import TINY, data_dir, run  # noqa: F401 (data_dir is a fixture)
 

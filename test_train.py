@@ -284,7 +284,7 @@ distributed.TRAIN_TIMEOUT = {train_timeout}
 rank = int(os.environ.get("RANK", 0))
 lrs, collectives, watched = [], [0], [0]
 make_optimizer, save_checkpoint = optim.make_optimizer, checkpoint.save_checkpoint
-clip_grad_norm = distributed.clip_grad_norm
+clip_grad_norm = torch.nn.utils.clip_grad_norm_
 
 def recording_make_optimizer(*args, **kwargs):
     optimizer = make_optimizer(*args, **kwargs)
@@ -295,9 +295,9 @@ def recording_make_optimizer(*args, **kwargs):
     optimizer.step = recorded_step
     return optimizer
 
-def nan_clip_grad_norm(model, max_norm):  # the grad norm NaN at these calls, the weights untouched
+def nan_clip_grad_norm(parameters, max_norm):  # the grad norm NaN at these calls, the weights untouched
     watched[0] += 1
-    return clip_grad_norm(model, max_norm) * (math.nan if watched[0] in {nan_calls} else 1)
+    return clip_grad_norm(parameters, max_norm) * (math.nan if watched[0] in {nan_calls} else 1)
 
 def slow_save_checkpoint(*args):
     if rank == 0:
@@ -310,8 +310,8 @@ def counting(collective):
         return collective(*args, **kwargs)
     return counted
 
-optim.make_optimizer, distributed.clip_grad_norm, checkpoint.save_checkpoint = (recording_make_optimizer,
-                                                                           nan_clip_grad_norm, slow_save_checkpoint)
+optim.make_optimizer, torch.nn.utils.clip_grad_norm_, checkpoint.save_checkpoint = (
+    recording_make_optimizer, nan_clip_grad_norm, slow_save_checkpoint)
 torch.distributed.all_reduce = counting(torch.distributed.all_reduce)
 torch.distributed.broadcast = counting(torch.distributed.broadcast)
 sys.argv = [os.path.join({repo!r}, "train.py"), *sys.argv[1:]]

@@ -4,9 +4,11 @@ read top to bottom.
     python train.py config/t5_base.py           # one GPU
     torchrun --standalone --nproc_per_node=8 train.py config/t5_base.py
     python train.py config/t5_tiny.py           # the CPU demo
-The ranks' side of it (DDP, FSDP, agreeing, signals) is distributed.py's.
+A one-GPU reader passes over the lines under `if rt.torchrun:` and `if
+fsdp:`: they call distributed.py, where many GPUs train as one.
 """
 import dataclasses
+import math
 import os
 import time
 
@@ -15,10 +17,10 @@ import torch
 import checkpoint
 import distributed
 import runtime
-from data import (Prefetcher, SpanCorruptionBatches, ShardCheck,
-                  micro_batch_size, span_accuracy, unigram_baseline)
+from data import (Prefetcher, ShardCheck, SpanCorruptionBatches,
+                  span_accuracy, unigram_baseline)
 from model import PRESETS, T5, T5Config
-from optim import OPTIMIZERS, Pace, get_lr, make_optimizer, param_groups
+from optim import OPTIMIZERS, TimeBudget, get_lr, make_optimizer, param_groups
 from prepare import RECIPES, load_meta, load_tokenizer, prepare
 from runtime import print0
 
@@ -71,8 +73,6 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 check_config(config, [
     ("model", model in PRESETS, f"one of {', '.join(PRESETS)}"),
     ("optimizer", optimizer in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
-    ("out_dir", out_dir and not os.path.isfile(out_dir), "a folder's path"),
-    ("data_dir", not os.path.isfile(data_dir), "a folder's path"),
     ("noise_density", 0 < noise_density < 1, "in (0, 1)"),
     ("mean_noise_span_length", mean_noise_span_length >= 1, ">= 1"),
     ("input_length", input_length >= 3, ">= 3"),
@@ -94,37 +94,38 @@ check_config(config, [
 ])
 # -----------------------------------------------------------------------------
 
-# start-up, before any work: the device and the ranks; out_dir, held; what
-# the run starts from, found before the data, so that a resume whose data
-# folder is gone names its own; then the data
+# 1. start-up, before any work: the device; out_dir, locked; what the run
+# starts from (its newest checkpoint, other weights, or nothing), found
+# before the data, so that a resume whose data is gone names it
 rt = runtime.setup_runtime(device, dtype, seed, fsdp)
-distributed.join(rt)  # under torchrun: the ranks' process group
-micro_batch_size(batch_size, grad_accum_steps, rt.world_size)  # or refused
-lock = runtime.claim(out_dir)  # one live run per out_dir, until it ends
-# its own newest checkpoint (resume), a run's or HF's weights, or nothing
-# (scratch); auto: resume if there is a checkpoint, else scratch
-fixed = ("model", "dropout", "optimizer", "weight_decay")
-how, ckpt = checkpoint.start_from(init_from, out_dir, "train.py", config,
-                                  fixed, model, fsdp)
+if rt.torchrun:  # the ranks' process group
+    distributed.join(rt)
+lock = runtime.lock_folder(out_dir)  # one live run per out_dir, until it ends
+# a resume keeps these: its weights and optimizer state were made so
+kept_on_resume = ("model", "dropout", "optimizer", "weight_decay")
+resuming, ckpt = checkpoint.start_from(init_from, out_dir, "train.py",
+                                       config, kept_on_resume, model, fsdp)
 budget_s = time_budget_hours * 3600
-if how == "resume" and (ckpt["step"] >= max_steps
-                        or 0 < budget_s <= ckpt["elapsed"]):
+if resuming and (ckpt["step"] >= max_steps
+                 or 0 < budget_s <= ckpt["elapsed"]):
     key = "max_steps" if ckpt["step"] >= max_steps else "time_budget_hours"
     done = f"{out_dir} is at step {ckpt['step']} of {key}={config[key]}"
     if init_from == "auto":  # finished: a requeue ends here, changing nothing
         print0(f"{done}: the run is finished")
         raise SystemExit(0)
     raise SystemExit(f"error: {done}: raise {key} to train it further")
-demo = os.path.basename(os.path.normpath(data_dir)) == "pydoc"  # offline
-if demo and rt.master and not os.path.exists(f"{data_dir}/meta.json"):
-    prepare(**RECIPES["pydoc"], out_dir=data_dir)
-if rt.ddp:
-    torch.distributed.barrier()
+
+# 2. the data; a folder named pydoc is the CPU demo's, Python's own
+# documentation, prepared here on first use (offline, in seconds)
+if os.path.basename(os.path.normpath(data_dir)) == "pydoc":
+    if rt.master and not os.path.exists(f"{data_dir}/meta.json"):
+        prepare(**RECIPES["pydoc"], out_dir=data_dir)
+    if rt.torchrun:  # the others wait for it
+        torch.distributed.barrier()
 meta = load_meta(data_dir, ckpt and ckpt["meta"])
 tok = load_tokenizer(meta)
-checkpoint.check_data(ckpt, meta, how)
-# span-corrupted batches: step k's global batch is a function of (seed, k);
-# each rank builds its slice
+checkpoint.check_data(ckpt, meta, resuming)
+# step k's batch is a function of (seed, k): each rank builds its rows
 corruption = (batch_size, input_length, noise_density,
               mean_noise_span_length, seed)
 train_data = SpanCorruptionBatches(data_dir, "train", *corruption)
@@ -133,12 +134,12 @@ most = max(1, val_data.num_windows // batch_size)  # each val window once
 check_config(config, [("eval_steps", eval_steps <= most,
                        f"<= {most}: {data_dir}/val.bin holds "
                        f"{val_data.num_windows:,} windows of this run")])
-# the shards not checked at start-up: a sync step stops the run if one of
-# them is not what meta.json records
-shard_check = ShardCheck(train_data, val_data)
+shard_check = ShardCheck(train_data, val_data)  # what start-up did not hash
+train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank,
+                           rt.world_size, rt.device)  # or the batch won't split
 
-# the model: T5(config) on the meta device, shapes without memory; placed
-# (sharded, compiled, in DDP), it gets its weights: a checkpoint's, or new
+# 3. the model: T5(config) on the device draws its weights, which a
+# checkpoint's replace; under FSDP each rank keeps only its own slices
 ids = dict(eos_token_id=meta["eos_id"], pad_token_id=meta["pad_id"],
            decoder_start_token_id=meta["pad_id"])  # T5 starts with pad
 if ckpt:
@@ -146,28 +147,32 @@ if ckpt:
 else:
     vocab_size = meta["model_vocab_size"]
     t5_config = T5Config.from_preset(model, vocab_size=vocab_size, **ids)
-with torch.device("meta"):  # dropout ours: HF's configs say 0.1
-    t5 = T5(dataclasses.replace(t5_config, dropout=dropout))
-# what the loop calls: the T5 (FSDP shards it in place), or a wrapper
-train_t5 = distributed.wrap_model(t5, rt, fsdp, compile,
-                                  activation_checkpointing,
-                                  shard_across_nodes)
-if ckpt:
-    checkpoint.load_weights(t5, ckpt)  # under FSDP, each rank its slices
+t5_config = dataclasses.replace(t5_config, dropout=dropout)  # HF's say 0.1
+if fsdp:
+    t5 = distributed.sharded_t5(t5_config, rt, compile,
+                                activation_checkpointing, shard_across_nodes)
 else:
-    distributed.draw_weights(t5)  # as one process draws them
+    with torch.device(rt.device):
+        t5 = T5(t5_config)
+    if activation_checkpointing:
+        runtime.checkpoint_activations(t5)
+if ckpt:
+    checkpoint.load_weights(t5, ckpt)
 print0(f"{t5.num_params() / 1e6:.1f}M parameters")
+train_t5 = t5  # what the loop calls: compiled, and under DDP wrapped
+if compile and not fsdp:  # FSDP compiled each block
+    train_t5 = torch.compile(t5)
+if rt.torchrun and not fsdp:  # DDP all-reduces the gradients
+    train_t5 = distributed.ddp(train_t5, rt)
 opt = make_optimizer(optimizer, param_groups(t5, weight_decay), lr)
 if fsdp:  # AdamWScale on each rank's slices
     opt = distributed.shard_optimizer(opt)
-resuming = how == "resume"
 step, elapsed = (checkpoint.restore_state(ckpt, t5, opt) if resuming
                  else (0, 0.0))
 wandb_id = ckpt.get("wandb_id") if resuming else None  # its wandb run goes on
 ckpt = None  # free the checkpoint's copy of the weights
 
-train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank,
-                           rt.world_size, rt.device)
+# 4. what the loop reads and writes around the step
 targets = train_data.targets_length
 tokens_per_step = batch_size * (input_length + targets)
 step_flops = runtime.flops_per_step(t5, batch_size, input_length, targets)
@@ -184,8 +189,8 @@ logger = runtime.Logger(out_dir, rt.master, step if resuming else None,
 if wandb_log:
     wandb_id = logger.start_wandb(wandb_project, wandb_run_name, config,
                                   wandb_id)
-# what checkpoints record besides the state
-run = dict(identity, meta=meta, tokenizer=tok.data, wandb_id=wandb_id)
+# what checkpoints hold besides the weights and optimizer state
+run_record = dict(identity, meta=meta, tokenizer=tok.data, wandb_id=wandb_id)
 
 @torch.no_grad()
 def evaluate():
@@ -201,9 +206,8 @@ def evaluate():
                 logits, loss = train_t5(input_ids, labels=labels)
             accuracy = (logits.argmax(-1) == labels).float().mean()
             spans = span_accuracy(logits, labels, meta["first_sentinel_id"])
-            sums += torch.stack([loss.float(), accuracy,
-                                 *(n.float() for n in spans)])
-    loss, accuracy, spans_right, spans = distributed.summed(rt, sums)
+            sums += torch.stack([loss.float(), accuracy, *spans])
+    loss, accuracy, spans_right, spans = rt.summed(sums)
     with rt.autocast():  # every rank decodes
         fills = t5.generate(examples, max_new_tokens=shown)
     train_t5.train()
@@ -218,8 +222,7 @@ def evaluate():
            f"{metrics['val_acc']:.4f} | span acc {metrics['span_acc']:.4f} "
            f"(baseline {span_baseline:.4f})")
     for ex in filled:
-        print0("\n".join(f"    {key}: {ex[key]}"
-                         for key in ("input", "model", "truth")))
+        print0("\n".join(f"    {key}: {ex[key]}" for key in ex))
 
 def log_step(loss, grad_norm, step_s):
     """a sync step's record and line: loss, lr, speed, MFU, time left"""
@@ -235,71 +238,85 @@ def log_step(loss, grad_norm, step_s):
            f"{tokens_per_step / step_s:,.0f} tok/s{mfu} | eta "
            f"{eta / 3600:.2f} h")
 
-# the loop, one optimizer step at a time. The ranks take each decision at
-# the same step: at sync steps (the first, each log, checkpoint and
-# evaluation step, the last) they agree, in one all-reduce, on the mean
-# loss, any NaN or inf since the last, any signal, and rank 0's clock; in
-# between the host does not wait for the GPU
-sync = distributed.Sync(rt)  # Ctrl-C, SIGTERM: all save and stop together
-pace = Pace(max_steps, budget_s, step, elapsed)  # where the schedule is
-start_step = step
+# 5. the loop, one optimizer step at a time. Between sync steps (the
+# first, each log, checkpoint and evaluation step, the last) the host
+# never waits for the device; at one, all ranks decide alike
+signals = runtime.Signals(rt)  # Ctrl-C, SIGTERM: save, then stop
+if rt.torchrun:  # any rank's signal, for all at one step
+    signal_flags = distributed.SignalFlags(rt)
+# with a time budget, the schedule's position follows the clock
+budget = TimeBudget(max_steps, budget_s, step, elapsed) if budget_s else None
+max_norm = grad_clip or math.inf  # 0: measured, not clipped
+nonfinite = 0  # steps with a NaN or inf loss or grad norm, on the device
+start_step, synced_step, synced_elapsed = step, step, elapsed
 intervals = (log_interval, checkpoint_interval, eval_interval)
 clock = time.time()  # rank 0's counts the training seconds
 last_step = False
 while not last_step:
-    lr_now = get_lr(pace.advance(), max_steps, lr, warmup_steps,
-                    warmup_start_factor, min_lr)
+    lr_now = get_lr(budget.advance() if budget else step + 1, max_steps, lr,
+                    warmup_steps, warmup_start_factor, min_lr)
     for group in opt.param_groups:
         group["lr"] = lr_now
-    # forward and backward over this rank's micro-batches, the gradients
-    # summed (DDP all-reduces them after the last one); clip; update
+    # forward and backward over this rank's micro-batches; clip; update
     train_loss = 0.0  # this rank's mean over its micro-batches
     for micro_step, batch in enumerate(train_batches.get(step)):
-        last = micro_step == grad_accum_steps - 1
-        distributed.sync_gradients(train_t5, last)
+        if rt.torchrun:  # DDP: all-reduce after the last micro-step only
+            distributed.sync_gradients(train_t5,
+                                       micro_step == grad_accum_steps - 1)
         with rt.autocast():
             _, loss = train_t5(**batch)
         (loss / grad_accum_steps).backward()
         train_loss += loss.detach() / grad_accum_steps
-    grad_norm = distributed.clip_grad_norm(t5, grad_clip)
+    if fsdp:  # the norm of all ranks' slices
+        grad_norm = distributed.clip_grad_norm(t5, max_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(t5.parameters(), max_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
     step += 1
-    # the last step, or a signal's: the same on every rank
-    last_step = sync.step_done(step, train_loss, grad_norm, step == max_steps)
+    nonfinite = nonfinite + ~torch.isfinite(train_loss + grad_norm)
+    signals.step = step
+    stop = signals.caught > 0
+    if rt.torchrun:  # a signal on any rank, read two steps on
+        stop = step < max_steps and signal_flags.any(signals.caught)
+    last_step = step == max_steps or stop
     if step == start_step + 1:  # it compiled; the optimizer state exists
-        distributed.print_memory(t5, opt, rt)
-        distributed.set_timeout(rt, distributed.TRAIN_TIMEOUT)
-    # a sync step (also a time budget's, pace.check_step): the ranks agree;
-    # then log, save, evaluate
-    if not (last_step or step in (start_step + 1, pace.check_step) or
-            any(step % interval == 0 for interval in intervals)):
+        runtime.print_memory(t5, opt, rt)
+        if rt.torchrun:  # from here a hung rank times out sooner
+            distributed.set_timeout(distributed.TRAIN_TIMEOUT)
+    if not (last_step or step in (start_step + 1, budget and budget.next_check)
+            or any(step % interval == 0 for interval in intervals)):
         continue
+    # a sync step: in one all-reduce (one process: one read of the device),
+    # the mean loss, rank 0's clock, and whether any rank saw a NaN or inf,
+    # a signal, a damaged shard
     synced = time.time()
-    agreed = sync.agree(train_loss, elapsed + synced - clock,
-                        shard_check.errors)
-    if agreed.diverged:  # before a save: the last checkpoint is good
+    loss, elapsed, nonfinite, signalled, damaged = rt.summed([
+        train_loss / rt.world_size, (elapsed + synced - clock) * rt.master,
+        nonfinite, signals.caught, len(shard_check.errors)])
+    if nonfinite:  # before a save: the last checkpoint is good
         raise checkpoint.diverged(out_dir, step)
-    if agreed.damaged:  # this rank's line, or that another found one
-        raise (shard_check.errors or [SystemExit(
-            f"error: another rank found a shard of {data_dir} that is not "
-            f"what its meta.json records")])[0]
-    elapsed = agreed.elapsed
-    last_step = last_step or agreed.signalled or 0 < budget_s <= elapsed
-    log_step(agreed.loss, grad_norm, pace.synced(step, elapsed))
+    if damaged:
+        raise shard_check.error()
+    last_step = last_step or signalled or 0 < budget_s <= elapsed
+    step_s = (elapsed - synced_elapsed) / (step - synced_step)
+    if budget and synced_step > start_step:  # not the compile's step
+        budget.measure(step, elapsed, step_s)
+    synced_step, synced_elapsed = step, elapsed
+    log_step(loss, grad_norm, step_s)
     if step % checkpoint_interval == 0 or last_step:
-        with distributed.patiently(rt):  # all wait for the slowest write
-            checkpoint.save_checkpoint(out_dir, t5, opt, step, elapsed, run)
-    if (step % eval_interval == 0 or last_step) and not agreed.signalled:
+        checkpoint.save_checkpoint(out_dir, t5, opt, step, elapsed,
+                                   run_record)
+    if (step % eval_interval == 0 or last_step) and not signalled:
         evaluate()
     clock = time.time()  # a save and an evaluation are not training time
-sync.release()
+signals.release()
 train_batches.close()
-if agreed.signalled:  # the save's time: what a launcher must wait for
+if signalled:  # the save's time: what a launcher must wait for
     print0(f"stopped by signal at step {step}, saved in "
            f"{clock - synced:.1f} s: continue with --init_from=resume")
 print0(f"{step} steps in {elapsed / 3600:.2f} h; checkpoint in {out_dir}")
-if rt.ddp:
+if rt.torchrun:
     torch.distributed.destroy_process_group()
-if sync.caught:  # as a process the signal ended: `train.py && export.py` stops
-    raise SystemExit(128 + sync.caught)
+if signals.caught:  # exits as a process the signal ended: `&&` stops there
+    raise SystemExit(128 + signals.caught)

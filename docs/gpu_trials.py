@@ -1,13 +1,13 @@
-"""Speed, round four, on a GPU, from the repo's root: `python docs/gpu_trials.py` (at most 8 minutes on one H100).
-t5-v1_1-base at batch 128 x (512 + 114), bf16, the model compiled as train.py compiles it, AdamWScale in torch's
-fused AdamW kernel. Each change against today's step, in this process, on the same weights and batch, A B B A after
-warm-up, the null comparison first:
+"""Speed on a GPU, from the repo's root: `python docs/gpu_trials.py` (at most 8 minutes on one H100).
+t5-v1_1-base at batch 128 x (512 + 114), bf16, the model compiled as train.py compiles it, AdamWScale as optim.py
+writes it, its formula in torch._foreach_* lines. Each change against today's step, in this process, on the same
+weights and batch, A B B A after warm-up, the null comparison first:
   null        today's step against itself
   flex        the encoder's self-attention in flex_attention, its bias an fp32 (H, S, S) table in a score_mod
   per-block   each block compiled, as the FSDP path does, against the whole model compiled
-Then each side's phases (forward, backward, clip, optimizer), its first call (Inductor's caches off),
-AdamWScale's step alone in both forms (the fused kernel, and PerTensor: the per-tensor update compiled, as
-make_optimizer ran it before), and flex against SDPA for one encoder layer, forward and backward.
+Then each side's first call (Inductor's caches off), AdamWScale's step alone in both forms (its formula, and
+FusedPerTensor: torch's fused AdamW kernel a tensor at a time, as it ran before), and flex against SDPA for one
+encoder layer, forward and backward.
 Then train.py as a user runs it (train_run): config/t5_base.py on data/pydoc, compiled, bf16, 120 steps with a
 checkpoint at 100, those last 20 steps again resumed from it, and sample.py from the run.
 Prints one table and writes the same figures to $OUT/gpu_trials.json (else ./gpu_trials.json).
@@ -17,7 +17,6 @@ import copy
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,34 +64,26 @@ def use_flex_in_encoder(t5):
     return t5
 
 
-@torch.no_grad()
-def per_tensor_update(p, g, m, v, t, p_rms, lr, beta1, beta2, eps):
-    """AdamWScale's lines (1)-(4) for one tensor, flattened"""
-    t += 1
-    m.lerp_(g, 1 - beta1)  # (1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # (2)
-    t = t.double()
-    step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t) * p_rms.clamp(min=1e-3)  # (3)
-    p.sub_((m / v.sqrt().add_(eps)).mul_(step_size))  # (4)
-
-
-class PerTensor(AdamWScale):
-    """per_tensor_update compiled once for every size and step, its lr and step counts tensors on the device: what
-    make_optimizer(compile=True) ran before the fused kernel"""
-    update = staticmethod(torch.compile(per_tensor_update, dynamic=True))
+class FusedPerTensor(AdamWScale):
+    """AdamWScale as it ran before its step became its formula: torch's fused AdamW kernel, one call a tensor, with
+    lr' = lr * max(1e-3, RMS(p)) and eps' = eps / sqrt(1 - b2^t), the step counts on the device"""
 
     @torch.no_grad()
     def step(self, closure=None):
+        from torch.optim.adamw import adamw
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            lr = torch.tensor(group["lr"], dtype=torch.float64, device=params[0].device)
-            for p, p_rms in zip(params, self.rms(params)):
+            (beta1, beta2), lr = group["betas"], group["lr"]
+            group["t"] = t = group.get("t", 0) + 1
+            eps = group["eps"] / (1 - beta2 ** t) ** 0.5
+            for p, p_rms in zip(params, self.rms(params).unbind()):
                 state = self.state[p]
                 if not state:
                     state.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
                                  exp_avg_sq=torch.zeros_like(p))
-                tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
-                self.update(*(x.view(-1) for x in tensors), state["step"], p_rms, lr, *group["betas"], group["eps"])
+                adamw([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]], fused=True,
+                      amsgrad=False, beta1=beta1, beta2=beta2, lr=(lr * p_rms.clamp(min=1e-3)).float(),
+                      weight_decay=0.0, eps=eps, maximize=False)
 
 
 def compile_blocks(t5):
@@ -204,36 +195,32 @@ def main():
         pairs.append(("flex", "today"))
 
     results = dict(device=device, torch=torch.__version__, model=name, batch_size=batch_size,
-                   input_length=input_length, steps=steps, first_call_s={}, phases_ms={}, ms_per_step={},
+                   input_length=input_length, steps=steps, first_call_s={}, ms_per_step={},
                    against={})
     for label, fn in sides.items():
-        results["first_call_s"][label] = bench.burn(fn, 3)
+        results["first_call_s"][label] = bench.warm_up(fn, 3)
     for label, reference in pairs:  # A B B A, medians; the null first
         print(f"{reference} against {label}:")
         a, b = bench.side_by_side((reference, sides[reference]), (label, sides[label]), tokens, "tok", steps, 0)
         results["ms_per_step"].setdefault(reference, 1e3 * a)
         results["ms_per_step"][label] = 1e3 * b
         results["against"][label] = dict(side=reference, ms=1e3 * a, speedup=a / b)
-    for label, fn in sides.items():
-        by_phase = [bench.phases(fn, rt) for _ in range(3)]
-        results["phases_ms"][label] = {p: statistics.median(m[p] for m in by_phase) for p in by_phase[0]}
 
     for p in t5.parameters():  # AdamWScale alone, over the model's tensors
         p.grad = torch.randn_like(p) * 1e-3
-    optimizers = [("compiled per-tensor", PerTensor(param_groups(t5, 0.0), lr=2e-2)),
-                  ("fused", make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2))]
+    optimizers = [("fused per tensor", FusedPerTensor(param_groups(t5, 0.0), lr=2e-2)),
+                  ("formula", make_optimizer("adamwscale", param_groups(t5, 0.0), 2e-2))]
     medians = bench.side_by_side(*[(f"AdamWScale {k}", o.step) for k, o in optimizers], t5.num_params(), "param",
                                  steps, 3, compiled=True)
     results["adamwscale_ms"] = {k: 1e3 * m for (k, _), m in zip(optimizers, medians)}
     if on_cuda:
         results["encoder_layer_attention"] = layer_attention(rt, batch_size, 12, input_length, steps)
 
-    print(f"\n{'side':>10s} {'ms/step':>9s} {'speed-up':>9s} {'against':>8s} {'1st call':>9s}  phases (ms)")
+    print(f"\n{'side':>10s} {'ms/step':>9s} {'speed-up':>9s} {'against':>8s} {'1st call':>9s}")
     for label in sides:
         against = results["against"].get(label, dict(side="", speedup=1.0))
-        phases = " ".join(f"{p} {t:.1f}" for p, t in results["phases_ms"][label].items())
         print(f"{label:>10s} {results['ms_per_step'][label]:9.1f} {against['speedup']:9.2f} {against['side']:>8s} "
-              f"{results['first_call_s'][label]:8.1f}s  {phases}")
+              f"{results['first_call_s'][label]:8.1f}s")
     print("AdamWScale alone: " + ", ".join(f"{k} {v:.2f} ms" for k, v in results["adamwscale_ms"].items()))
     if on_cuda:
         print(f"encoder layer attention: {results['encoder_layer_attention']}")
