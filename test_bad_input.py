@@ -1,7 +1,8 @@
 """
 Typed mistakes, as one table (CASES): a command a user might type with one mistake in it (a key, a value, a path, a
 file the command needs, settings that contradict), words its error line must say, and its fix. Each row runs as
-`python script.py args` in a fresh interpreter, as a user runs it, and is checked three ways: the script ends with one
+`python script.py args` in a process of its own, as a user runs it (forked from one that has imported torch:
+test_train.forked), and is checked three ways: the script ends with one
 line `error: ...` on stderr (a non-zero exit code, no traceback, no hang); every checkpoint, shard, meta.json and
 result the row can reach is byte-identical afterwards; and the fix the line names, once done, gets past that error.
 One table rather than a table per test file: the promise is the same for every script, and so is the check.
@@ -24,6 +25,7 @@ from hf import save_pretrained
 from model import T5, T5Config
 from optim import make_optimizer, param_groups
 from prepare import prepare
+from test_train import forked
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 SYSTEM = ["--device=cpu", "--dtype=float32", "--compile=False"]
@@ -330,13 +332,8 @@ TIMEOUT = 120  # seconds: a run still going after them has hung
 
 
 def python(args):
-    """`python args` in a fresh interpreter in the repo, as a user runs it"""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    try:
-        return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(args, "timeout", "", f"hung: no exit within {TIMEOUT} s\n")
+    """`python args` in the repo, as a user runs it, offline: a process of its own"""
+    return forked(args, dict(HF_HUB_OFFLINE="1"), TIMEOUT)
 
 
 def set_up(name, command, places):

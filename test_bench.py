@@ -39,16 +39,12 @@ def test_bench_train_tiny():
 def run_bench(*args, eager=False, prelude=""):
     """bench.py as a command, on one CPU thread, t5-tiny; eager: with torch.compile's stance force_eager, so that
     --compile=True runs without compiling; prelude: Python run first, in the same process"""
-    import os
-    import subprocess
-    import sys
+    from test_train import forked
     prelude += "torch.compiler.set_stance('force_eager')\n" if eager else ""
     script = ["-c", f"import runpy, sys, torch\n{prelude}sys.argv = sys.argv[1:]\n"
               "runpy.run_path('bench.py', run_name='__main__')"] if prelude else []
-    return subprocess.run([sys.executable, *script, "bench.py", "--device=cpu", "--threads=1", "--model=t5-tiny",
-                           "--input_length=32", "--steps=1", *args],
-                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return forked([*script, "bench.py", "--device=cpu", "--threads=1", "--model=t5-tiny", "--input_length=32",
+                   "--steps=1", *args], timeout=120)
 
 
 def test_no_burn_in_still_prints_the_result():

@@ -23,7 +23,7 @@ from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, 
 from hf import save_pretrained
 from tokenizer import tokenizer_of
 from prepare import prepare
-from test_train import TINY, data_dir, saved_step, wandb_runs  # noqa: F401 (data_dir is a fixture)
+from test_train import TINY, data_dir, forked, saved_step, wandb_runs  # noqa: F401 (data_dir is a fixture)
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker: the file's module fixtures built once
 
@@ -32,9 +32,9 @@ WORDS = "red green blue cat dog bird tree river stone house road light water fir
 
 
 def run(args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")  # wandb's files only
-    return subprocess.run([sys.executable, "finetune.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    r = forked(["finetune.py", *args], dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline"))  # wandb's files only
+    assert r.returncode != "timeout", r.stderr
+    return r
 
 
 def make_task(definition, transform, num_instances, rng, extra_reference=False):

@@ -6,10 +6,12 @@ import glob
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -26,9 +28,76 @@ TINY = ["config/t5_tiny.py", "--compile=False", "--dtype=float32", "--device=cpu
 
 
 def run(args, env_extra=None, **kwargs):
+    """`python args` in the repo, each rank with one thread: forked (below) unless the environment it starts with
+    or how it is run differs"""
+    if not env_extra and not kwargs:
+        r = forked(args)
+        if r.returncode == "timeout":
+            raise subprocess.TimeoutExpired(args, 300, r.stdout, r.stderr)
+        return r
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
                           **kwargs)
+
+
+# A Python that has imported torch and what every script imports before its first line runs (3.5 s of each run
+# here), and forks a child for each command: the child runs it as `python args` would, in a process and session of
+# its own, with its own stdin, stdout, stderr, argv, sys.path[0], environment and exit. What differs in env_extra
+# must be read after start-up (not PYTHONPATH, MALLOC_* or OMP_*). The parent runs nothing but imports: no thread
+# of its holds a lock when it forks.
+FORKS = r"""
+import json, os, runpy, sys
+import numpy, sentencepiece, tiktoken, tqdm
+import torch, torch._dynamo, torch.distributed.checkpoint.state_dict, torch.distributed.fsdp, torch.nn.parallel
+assert len(os.listdir("/proc/self/task")) == 1
+for line in sys.stdin:
+    args, env_extra, out, err = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        break
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+else:
+    sys.exit()
+os.setsid()
+os.environ.update(env_extra)
+for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
+    os.dup2(os.open(path, mode), fd)
+if args[0] == "-m":  # as python -m: argv[0] the module's file, sys.path[0] the folder it runs in
+    sys.argv, sys.path[0] = args[1:], os.getcwd()
+    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+elif args[0] == "-c":
+    sys.argv, sys.path[0] = ["-c", *args[2:]], ""
+    exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+else:  # in a namespace of its own: nothing of this one's
+    sys.argv, sys.path[0] = args, os.path.dirname(os.path.abspath(args[0]))
+    runpy.run_path(args[0], run_name="__main__")
+"""
+forks = None  # this worker's FORKS, started by its first command
+
+
+def forked(args, env_extra=None, timeout=300):
+    """`python args` in the repo, forked from FORKS: a CompletedProcess, its returncode "timeout" if it was still
+    running after timeout seconds (then killed, with what it started)"""
+    global forks
+    if forks is None:
+        forks = subprocess.Popen([sys.executable, "-c", FORKS], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)  # select sees each line
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        open(out, "w").close(), open(err, "w").close()
+        forks.stdin.write(json.dumps([args, env_extra or {}, out, err]).encode() + b"\n")
+        pid = int(forks.stdout.readline())
+        returncode = "timeout"
+        if select.select([forks.stdout], [], [], timeout)[0]:
+            returncode = int(forks.stdout.readline())
+        else:
+            os.killpg(pid, signal.SIGKILL)
+            forks.stdout.readline()
+        stdout, stderr = open(out).read(), open(err).read()
+    if returncode == "timeout":
+        stderr += f"hung: no exit within {timeout} s\n"
+    return subprocess.CompletedProcess(args, returncode, stdout, stderr)
 
 
 def read_log(out_dir):
