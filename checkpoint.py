@@ -54,7 +54,7 @@ def save_checkpoint(out_dir, t5, optimizer, step, elapsed, run):
     rank's part of the tensors; .metadata, written last, marks it complete.
     The newest two complete folders stay."""
     ranks = dist.is_initialized()  # then each waits for the slowest write
-    with distributed.patiently() if ranks else contextlib.nullcontext():
+    with distributed.save_timeout() if ranks else contextlib.nullcontext():
         save(out_dir, t5, optimizer, step, elapsed, run)
 
 def save(out_dir, t5, optimizer, step, elapsed, run):

@@ -38,7 +38,7 @@ def set_timeout(timeout):
         group.set_timeout(timeout)
 
 @contextlib.contextmanager
-def patiently():  # around a save: every rank waits for the slowest
+def save_timeout():  # while saving, ranks wait for the slowest
     set_timeout(START_TIMEOUT)
     yield
     set_timeout(TRAIN_TIMEOUT)
