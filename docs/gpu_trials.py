@@ -9,9 +9,10 @@ Then each side's first call (Inductor's caches off), AdamWScale's step alone in 
 FusedPerTensor: torch's fused AdamW kernel a tensor at a time, as it ran before), and flex against SDPA for one
 encoder layer, forward and backward.
 Then train.py as a user runs it (train_run): config/t5_base.py on data/pydoc, compiled, bf16, 120 steps with a
-checkpoint at 100, those last 20 steps again resumed from it, and sample.py from the run.
+checkpoint at 100, those last 20 steps again resumed from it, and sample.py from the run; in one process, then under
+`torchrun --standalone --nproc_per_node=1` (DDP's path).
 Prints one table and writes the same figures to $OUT/gpu_trials.json (else ./gpu_trials.json).
-`python docs/gpu_trials.py train` runs train_run alone.
+`python docs/gpu_trials.py train` runs the two train_runs alone.
 Off a GPU it runs t5-tiny at batch 2 without flex, and train_run with t5-mini, to check the script itself."""
 import copy
 import json
@@ -113,12 +114,13 @@ def layer_attention(rt, B, H, S, steps):
     return dict(sdpa_ms=1e3 * sdpa_ms, flex_ms=1e3 * flex_ms, max_rel_error=errors)
 
 
-def train_run(on_cuda, folder):
-    """train.py as a user runs it: config/t5_base.py on data/pydoc (prepared here in seconds; its vocab of 1,152 makes
-    the model 200M parameters), compiled, bf16, 120 steps logged each, a checkpoint at step 100 and at the end; then a
-    copy of the run without its last checkpoint resumes from step 100, and its 20 steps must log the same losses;
-    then sample.py fills a text from the run. The lr is constant after 10 warmup steps, so that no step's lr depends
-    on max_steps. Off a GPU: t5-mini at batch 8 x 64, eager, fp32."""
+def train_run(on_cuda, folder, launch=()):
+    """train.py as a user runs it, launched with launch (TORCHRUN, or nothing for one process): config/t5_base.py
+    on data/pydoc (prepared here in seconds; its vocab of 1,152 makes the model 200M parameters), compiled, bf16, 120
+    steps logged each, a checkpoint at step 100 and at the end; then a copy of the run without its last checkpoint
+    resumes from step 100, and its 20 steps must log the same losses; then sample.py fills a text from the run. The
+    lr is constant after 10 warmup steps, so that no step's lr depends on max_steps. Off a GPU: t5-mini at batch
+    8 x 64, eager, fp32 (gloo under torchrun, where a GPU has NCCL)."""
     data = os.path.join(folder, "pydoc")
     prepare(**RECIPES["pydoc"], out_dir=data)
     size = [] if on_cuda else ["--model=t5-mini", "--batch_size=8", "--input_length=64", "--compile=False",
@@ -130,8 +132,8 @@ def train_run(on_cuda, folder):
 
     def train(out_dir, *extra):
         t0 = time.time()
-        r = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={out_dir}", *extra], cwd=REPO, env=env,
-                           capture_output=True, text=True)
+        r = subprocess.run([sys.executable, *launch, "train.py", *common, f"--out_dir={out_dir}", *extra], cwd=REPO,
+                           env=env, capture_output=True, text=True)
         print(r.stdout[-2500:] + r.stderr[-2500:])
         with open(os.path.join(out_dir, "log.jsonl")) as f:
             losses = {rec["step"]: rec for rec in map(json.loads, f) if "loss" in rec}
@@ -157,24 +159,37 @@ def train_run(on_cuda, folder):
                 median_ms_per_step_20_to_100=ms[len(ms) // 2], memory=peak, sample=sample.stdout)
 
 
-def print_train_run(run):
+def print_train_run(run, label):
     losses = run["losses"]
-    print(f"train.py: exit codes {run['returncode']}, {run['seconds'][0]:.0f} s and {run['seconds'][1]:.0f} s (resume);"
+    print(f"train.py {label}: exit codes {run['returncode']}, {run['seconds'][0]:.0f} s and "
+          f"{run['seconds'][1]:.0f} s (resume);"
           f" loss {losses[1]:.3f} at step 1, {losses[100]:.3f} at 100, {losses[120]:.3f} at 120; "
           f"{run['median_ms_per_step_20_to_100']:.1f} ms/step (median, steps 21-100); resumed steps 101-120 "
           f"{'equal' if run['resume_exact'] else 'differ'} (max |difference| {run['resume_max_abs_difference']:.2e})")
     print("\n".join(run["memory"]) + "\n" + run["sample"])
 
 
+# torchrun with one rank: DDP's path (NCCL on a GPU), the process group, the ranks' agreement at sync steps
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1")
+
+
+def train_runs(on_cuda):
+    """train_run in one process, then under torchrun, each printed: {train_run, train_run_torchrun}"""
+    runs = {}
+    for key, launch in (("train_run", ()), ("train_run_torchrun", TORCHRUN)):
+        with tempfile.TemporaryDirectory() as folder:
+            runs[key] = train_run(on_cuda, folder, launch)
+        print_train_run(runs[key], "under torchrun" if launch else "in one process")
+    return runs
+
+
 def main():
     on_cuda = torch.cuda.is_available()
     out = os.environ.get("OUT", ".")
     if sys.argv[1:] == ["train"]:
-        with tempfile.TemporaryDirectory() as folder:
-            run = train_run(on_cuda, folder)
-        print_train_run(run)
+        runs = train_runs(on_cuda)
         with open(os.path.join(out, "gpu_train_run.json"), "w") as f:
-            json.dump(run, f, indent=2)
+            json.dump(runs, f, indent=2)
         return
     rt = setup_runtime("auto", "bfloat16" if on_cuda else "float32")
     name, batch_size, input_length, steps = ("t5-v1_1-base", 128, 512, 10) if on_cuda else ("t5-tiny", 2, 64, 4)
@@ -224,9 +239,7 @@ def main():
     print("AdamWScale alone: " + ", ".join(f"{k} {v:.2f} ms" for k, v in results["adamwscale_ms"].items()))
     if on_cuda:
         print(f"encoder layer attention: {results['encoder_layer_attention']}")
-    with tempfile.TemporaryDirectory() as folder:
-        results["train_run"] = train_run(on_cuda, folder)
-    print_train_run(results["train_run"])
+    results.update(train_runs(on_cuda))
     path = os.path.join(out, "gpu_trials.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
