@@ -2,9 +2,9 @@
 Typed mistakes, as one table (CASES): a command a user might type with one mistake in it (a key, a value, a path, a
 file the command needs, settings that contradict), words its error line must say, and its fix. Each row runs as
 `python script.py args` in a process of its own, as a user runs it (forked from one that has imported torch:
-test_train.forked), and is checked three ways: the script ends with one
-line `error: ...` on stderr (a non-zero exit code, no traceback, no hang); every checkpoint, shard, meta.json and
-result the row can reach is byte-identical afterwards; and the fix the line names, once done, gets past that error.
+test_train.forked), and is checked three ways: the script ends with one line `error: ...` on stderr (a non-zero
+exit code, no traceback, no hang); every checkpoint, shard, meta.json and result the row can reach is
+byte-identical afterwards; and the fix the line names, once done, gets past that error.
 One table rather than a table per test file: the promise is the same for every script, and so is the check.
 """
 import glob

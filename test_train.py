@@ -61,7 +61,8 @@ else:
     sys.exit()
 os.setsid()
 os.environ.update(env_extra)
-for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
+written = os.O_WRONLY | os.O_CREAT
+for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, out, written), (2, err, written)):
     os.dup2(os.open(path, mode), fd)
 if args[0] == "-m":  # as python -m: argv[0] the module's file, sys.path[0] the folder it runs in
     sys.argv, sys.path[0] = args[1:], os.getcwd()
@@ -78,14 +79,13 @@ forks = None  # this worker's FORKS, started by its first command
 
 def forked(args, env_extra=None, timeout=300):
     """`python args` in the repo, forked from FORKS: a CompletedProcess, its returncode "timeout" if it was still
-    running after timeout seconds (then killed, with what it started)"""
+    running after timeout seconds (then its session is killed)"""
     global forks
     if forks is None:
         forks = subprocess.Popen([sys.executable, "-c", FORKS], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)  # select sees each line
     with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        open(out, "w").close(), open(err, "w").close()
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")  # the child writes them
         forks.stdin.write(json.dumps([args, env_extra or {}, out, err]).encode() + b"\n")
         pid = int(forks.stdout.readline())
         returncode = "timeout"
