@@ -53,6 +53,10 @@ def warm_up(fn, burn_in):
         fn()
     return first
 
+def first_call(first, compiled):  # first: seconds, None if not timed
+    return (f" | first call (compile): {first:.2f} s"
+            if compiled and first else "")
+
 def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
     """median seconds a call of two (name, fn) sides, timed A B B A ...
     (drift lands on both alike), printed with the ratio"""
@@ -62,11 +66,9 @@ def side_by_side(a, b, work, unit, steps, burn_in, compiled=False):
         for side in ((0, 1) if i % 2 == 0 else (1, 0)):
             times[side].append(timed((a, b)[side][1]))
     medians = [statistics.median(t) for t in times]
-    for (name, fn), t, first in zip((a, b), medians, firsts):
-        first_text = (f" | first call (compile): {first:.2f} s"
-                      if compiled and first else "")
+    for (name, _), t, first in zip((a, b), medians, firsts):
         print0(f"{name:>34s}: {1000 * t:10.1f} ms {work / t:12,.0f} "
-               f"{unit}/s{first_text}")
+               f"{unit}/s{first_call(first, compiled)}")
     print0(f"{a[0]} / {b[0]}: {medians[1] / medians[0]:.2f}x the throughput "
            f"(medians of {steps} alternating calls)")
     return medians
@@ -77,9 +79,9 @@ def build_model(rt, model_name, vocab_size, seed=1337):
     return T5(config).to(rt.device)
 
 def other_side(t5, rt, compare):
-    """the other side, with our weights: ours again, or transformers' T5"""
+    """(name, model): ours again, or transformers' T5 with our weights"""
     if compare == "null":
-        return copy.deepcopy(t5)
+        return "ours again", copy.deepcopy(t5)
     import transformers
     # its loading bar and notes would drown the timings
     transformers.logging.set_verbosity_error()
@@ -87,17 +89,16 @@ def other_side(t5, rt, compare):
     with tempfile.TemporaryDirectory() as folder:
         save_pretrained(t5, folder)
         hf = transformers.T5ForConditionalGeneration.from_pretrained(folder)
-    return TransformersAdapter(hf.to(rt.device))
+    return "transformers", TransformersAdapter(hf.to(rt.device))
 
 class TransformersAdapter(torch.nn.Module):
-    """transformers' T5 behind our forward's signature, for training_step"""
+    """transformers' T5 returning our forward's (logits, loss)"""
     def __init__(self, hf):
         super().__init__()
         self.hf = hf
 
-    def forward(self, input_ids, labels=None, attention_mask=None):
-        out = self.hf(input_ids=input_ids, labels=labels,
-                      attention_mask=attention_mask)
+    def forward(self, **batch):
+        out = self.hf(**batch)
         return out.logits, out.loss
 
 def targets_length(input_length):
@@ -109,11 +110,11 @@ def batches(rt, batch_size, grad_accum_steps, input_length, vocab_size,
     that the step loads no data (train.py builds the next in a thread)"""
     micro = micro_batch_size(batch_size, grad_accum_steps, rt.world_size)
     generator = torch.Generator().manual_seed(seed)
-    shapes = ((micro, input_length), (micro, targets_length(input_length)))
-    input_ids, labels = (torch.randint(0, vocab_size, shape,
-                                       generator=generator).to(rt.device)
-                         for shape in shapes)
-    micro_batch = dict(input_ids=input_ids, labels=labels)
+    lengths = dict(input_ids=input_length,
+                   labels=targets_length(input_length))
+    micro_batch = {key: torch.randint(0, vocab_size, (micro, n),
+                                      generator=generator).to(rt.device)
+                   for key, n in lengths.items()}
     return lambda: [micro_batch] * grad_accum_steps
 
 def training_step(net, rt, next_batch, compile_model, lr=2e-2,
@@ -135,8 +136,8 @@ def training_step(net, rt, next_batch, compile_model, lr=2e-2,
     return step
 
 def warm_up_compiler(rt):
-    """the compiler's start-up, before either side's first call is timed:
-    each first call is then its model's compile"""
+    """the compiler's start-up, untimed: each side's first call is then
+    its model's compile alone"""
     layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))
     x = torch.ones(2, 8, device=rt.device)
     torch.compile(layers.to(rt.device))(x).sum().backward()
@@ -190,19 +191,16 @@ if __name__ == "__main__":
             input_length, compile, steps, burn_in, peak_flops, seed)
         mfu_text = f" | MFU {100 * mfu_now:.1f}%" if mfu_now else ""
         memory = f" | peak memory {memory / 2**30:.2f} GB" if memory else ""
-        first_text = (f" | first call (compile): {first:.2f} s"
-                      if compile and burn_in else "")
         print0(f"{1000 * dt:.1f} ms/step | {tokens_per_s:,.0f} tokens/s"
-               f"{mfu_text}{memory}{first_text}")
-    else:  # a training step against transformers' or ours again
+               f"{mfu_text}{memory}{first_call(first, compile)}")
+    else:
         t5 = build_model(rt, model, vocab_size, seed)
-        theirs = other_side(t5, rt, compare)
+        other, theirs = other_side(t5, rt, compare)
         next_batch = batches(rt, batch_size, grad_accum_steps, input_length,
                              vocab_size, seed)
         tokens = batch_size * (input_length + targets_length(input_length))
         if compile:
             warm_up_compiler(rt)
-        other = "ours again" if compare == "null" else "transformers"
         side_by_side(("ours", training_step(t5, rt, next_batch, compile)),
                      (other, training_step(theirs, rt, next_batch, compile)),
                      tokens, "tok", steps, burn_in, compiled=compile)

@@ -55,31 +55,26 @@ def save_checkpoint(out_dir, t5, optimizer, step, elapsed, run):
     The newest two complete folders stay."""
     ranks = dist.is_initialized()  # then each waits for the slowest write
     with distributed.save_timeout() if ranks else contextlib.nullcontext():
-        save(out_dir, t5, optimizer, step, elapsed, run)
-
-def save(out_dir, t5, optimizer, step, elapsed, run):
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():  # this rank's GPU's: a resume may have fewer
-        rng["cuda"] = torch.cuda.get_rng_state()
-    rngs = all_gathered(rng)
-    folder = os.path.join(out_dir, "ckpt", f"step-{step}")
-    if rank() == 0:
-        os.makedirs(folder, exist_ok=True)
-        state = dict(run, model_config=dataclasses.asdict(t5.config),
-                     step=step, elapsed=elapsed, rng=rngs)
-        with atomic_write(os.path.join(folder, "state.pt")) as f:
-            torch.save(state, f)
-    tensors = {"model": get_model_state_dict(t5),
-               "optimizer": get_optimizer_state_dict(t5, optimizer)}
-    dcp.save(tensors, checkpoint_id=folder)
-    if rank() == 0:
-        steps = step_folders(os.path.join(out_dir, "ckpt"))
-        kept = [path for path in steps
-                if os.path.isfile(os.path.join(path, ".metadata"))][-2:]
-        # the older ones, and any a killed save left, if a save wrote them
-        for old in set(steps) - set(kept):
-            if all(SAVED.fullmatch(name) for name in os.listdir(old)):
-                shutil.rmtree(old)
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():  # this GPU's: a resume may have fewer
+            rng["cuda"] = torch.cuda.get_rng_state()
+        rngs = all_gathered(rng)
+        folder = os.path.join(out_dir, "ckpt", f"step-{step}")
+        if rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+            state = dict(run, model_config=dataclasses.asdict(t5.config),
+                         step=step, elapsed=elapsed, rng=rngs)
+            with atomic_write(os.path.join(folder, "state.pt")) as f:
+                torch.save(state, f)
+        tensors = {"model": get_model_state_dict(t5),
+                   "optimizer": get_optimizer_state_dict(t5, optimizer)}
+        dcp.save(tensors, checkpoint_id=folder)
+        if rank() == 0:
+            steps = step_folders(os.path.join(out_dir, "ckpt"))
+            # the older ones, and any a killed save left, if saves wrote them
+            for old in set(steps) - set(complete(steps)[-2:]):
+                if all(SAVED.fullmatch(name) for name in os.listdir(old)):
+                    shutil.rmtree(old)
 
 def step_folders(folder):
     """folder's step-<integer> folders, oldest first (not step-4000.bak)"""
@@ -87,15 +82,15 @@ def step_folders(folder):
              if re.fullmatch(r"step-\d+", os.path.basename(path))]
     return sorted(steps, key=lambda path: int(path.rsplit("-", 1)[1]))
 
+def complete(folders):  # those a save finished: .metadata is its last
+    return [step for step in folders if os.path.isfile(f"{step}/.metadata")]
+
 def find_checkpoint(path):
     """The complete step folder path names, or None: for a run's out_dir
     or its ckpt/, the newest; a step folder itself."""
-    for folder in (os.path.join(path, "ckpt"), path):
-        complete = [step for step in step_folders(folder)
-                    if os.path.isfile(os.path.join(step, ".metadata"))]
-        if complete:
-            return complete[-1]
-    return path if os.path.isfile(os.path.join(path, ".metadata")) else None
+    found = complete([path, *step_folders(path),
+                      *step_folders(os.path.join(path, "ckpt"))])
+    return found[-1] if found else None
 
 def newest_checkpoint(path, key="out_dir"):
     """path's newest checkpoint, or None, the same on every rank: a node
@@ -117,7 +112,7 @@ def load_checkpoint(path, weights=True):
     if weights:
         reader = dcp.FileSystemReader(path)
         shapes = reader.read_metadata().state_dict_metadata
-        ckpt["model"] = {key[len("model."):]: torch.empty(
+        ckpt["model"] = {key.removeprefix("model."): torch.empty(
             md.size, dtype=md.properties.dtype)
             for key, md in shapes.items() if key.startswith("model.")}
         dcp.load({"model": ckpt["model"]}, checkpoint_id=path, no_dist=True)
@@ -145,11 +140,10 @@ def load_weights(model, ckpt):
         dcp.load(state, checkpoint_id=ckpt["source"])
         set_model_state_dict(model, state["model"])
         return model
+    sharded = isinstance(model, FSDPModule)
+    copy = distributed.set_values if sharded else torch.Tensor.copy_
     for name, p in model.state_dict().items():
-        if isinstance(model, FSDPModule):
-            distributed.set_values(p, ckpt["model"][name])
-        else:
-            p.copy_(ckpt["model"][name])
+        copy(p, ckpt["model"][name])
     return model
 
 def model_from_checkpoint(ckpt, **overrides):  # T5Config fields
@@ -176,21 +170,19 @@ def start_from(init_from, out_dir, program, config, kept_on_resume,
     if lower in ("resume", "scratch", "auto") and lower != init_from:
         raise SystemExit(f"error: --init_from={init_from} names no run or "
                          f"weights here: did you mean --init_from={lower}?")
-    start = init_from
     if init_from in ("resume", "auto"):
         path = newest_checkpoint(out_dir)
-        start = "resume" if path or init_from == "resume" else "scratch"
-    if init_from == "auto":
-        print0(f"--init_from=auto: {start}")
-    if start == "resume":
-        if path is None:
+        if init_from == "auto":
+            print0(f"--init_from=auto: {'resume' if path else 'scratch'}")
+        if path:
+            return True, load_resume(path, program, config, kept_on_resume)
+        if init_from == "resume":
             raise SystemExit(f"error: no checkpoint to resume in {out_dir}: "
                              f"train one first")
-        return True, load_resume(path, program, config, kept_on_resume)
     if not (init_from == "auto" and
             started_early(out_dir, program, config, kept_on_resume)):
         check_new_run(out_dir)
-    if start == "scratch":
+    if init_from in ("scratch", "auto"):
         return False, None
     print0(f"a new run from the weights of {init_from}")
     return False, load(init_from, fsdp, preset)

@@ -33,7 +33,6 @@ def _set(key, value, where):
     globals()[key] = value
 
 # the script's config keys: its lower-case globals of these types
-# (UPPER_CASE names are constants)
 _defaults = {k: v for k, v in globals().items()
              if not k.startswith("_") and not k.isupper()
              and isinstance(v, (int, float, bool, str))}

@@ -51,10 +51,7 @@ def random_segmentation(num_items, num_segments, keys):
     # item 0, with no key, starts the first run
     starts = np.argsort(keys, axis=1)[:, :num_segments - 1] + 1
     starts = np.sort(starts, axis=1)  # (B, num_segments - 1)
-    first = np.zeros((len(keys), 1), np.int64)
-    end = np.full((len(keys), 1), num_items)
-    bounds = np.concatenate([first, starts, end], axis=1)
-    return np.diff(bounds, axis=1)  # (B, num_segments)
+    return np.diff(starts, axis=1, prepend=0, append=num_items)
 
 def random_spans_noise_mask(length, noise_density, mean_noise_span_length,
                             rngs):
@@ -71,21 +68,15 @@ def random_spans_noise_mask(length, noise_density, mean_noise_span_length,
                                         keys[:, num_kept - 1:])
     # interleaved: kept, noise, kept, noise, ...
     span_lengths = np.stack([kept_lengths, noise_lengths], axis=2)
-    span_lengths = span_lengths.reshape(len(keys), -1)
-    # of every span but the first
-    span_starts = np.cumsum(span_lengths, axis=1)[:, :-1]
-    span_start_indicator = np.zeros((len(keys), length), dtype=np.int64)
-    np.put_along_axis(span_start_indicator, span_starts, 1, axis=1)
-    span_number = np.cumsum(span_start_indicator, axis=1)  # 0, 0, 1, 1, 1, 2, ...
-    return span_number % 2 == 1
+    is_noise = np.tile([False, True], span_lengths.size // 2)
+    mask = np.repeat(is_noise, span_lengths.ravel())
+    return mask.reshape(len(keys), length)
 
 def noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id):
     """T5's: each noise span (B, L) becomes one sentinel, counting down from
     first_sentinel_id (<extra_id_0>) in each row"""
-    first_column = np.zeros((len(noise_mask), 1), dtype=bool)
     # noise_mask shifted right
-    previous_is_noise = np.concatenate([first_column, noise_mask[:, :-1]],
-                                       axis=1)
+    previous_is_noise = np.pad(noise_mask[:, :-1], ((0, 0), (1, 0)))
     first_noise = noise_mask & ~previous_is_noise
     subsequent_noise = noise_mask & previous_is_noise
     sentinels = first_sentinel_id + 1 - np.cumsum(first_noise, axis=1)
@@ -115,7 +106,7 @@ def span_corrupt(tokens, noise_density, mean_noise_span_length,
                                            first_sentinel_id)
     targets = noise_span_to_unique_sentinel(tokens, ~noise_mask,
                                             first_sentinel_id)
-    eos = np.full((len(tokens), 1), eos_id, dtype=np.int64)
+    eos = np.full((len(tokens), 1), eos_id)
     return (np.concatenate([inputs, eos], axis=1),
             np.concatenate([targets, eos], axis=1))
 
@@ -153,21 +144,20 @@ class SpanCorruptionBatches:
         self.meta = load_meta(data_dir)
         self.split = split
         self.batch_size = batch_size
-        self.noise_density = noise_density
-        self.mean_noise_span_length = mean_noise_span_length
         self.seed = seed
-        self.raw_length, self.targets_length = compute_input_and_target_lengths(
-            input_length, noise_density, mean_noise_span_length)
+        self.noise = (noise_density, mean_noise_span_length)
+        self.raw_length, self.targets_length = (
+            compute_input_and_target_lengths(input_length, *self.noise))
         files = self.meta["shards" if split == "train" else "val"]
-        self.paths = [os.path.join(data_dir, shard_name(split, i))
-                      for i in range(len(files))]
+        paths = [os.path.join(data_dir, shard_name(split, i))
+                 for i in range(len(files))]
         self.again = prepare_again(self.meta["settings"], data_dir)
         # each shard's contents against meta.json's sha256: at once if it
         # was written after meta.json (a stat each: start-up stays short),
         # else in ShardCheck's thread (bit rot, a copy that kept its times)
         written = os.path.getmtime(os.path.join(data_dir, "meta.json"))
         self.unchecked = []
-        for path, file in zip(self.paths, files):
+        for path, file in zip(paths, files):
             if (not os.path.isfile(path)
                     or os.path.getsize(path) != 2 * file["tokens"]):
                 raise SystemExit(
@@ -178,7 +168,7 @@ class SpanCorruptionBatches:
             else:
                 self.unchecked.append((path, file["sha256"]))
         self.shards = [np.memmap(path, dtype=np.uint16, mode="r")
-                       for path in self.paths]
+                       for path in paths]
         # disjoint windows per shard
         windows = [len(s) // self.raw_length for s in self.shards]
         self.num_windows = sum(windows)
@@ -212,20 +202,18 @@ class SpanCorruptionBatches:
         device: micro_step's b rows of step's batch on this rank"""
         b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
         first_row = (micro_step * world_size + rank) * b
-        rows = range(first_row, first_row + b)
-        shards, starts = self.window_of(
-            step * self.batch_size + np.array(rows))
+        rows = np.arange(first_row, first_row + b)
+        shards, starts = self.window_of(step * self.batch_size + rows)
         raw = np.stack([self.shards[s][i: i + self.raw_length]
                         for s, i in zip(shards, starts)])
         stream = ([self.seed, TRAIN_SPANS] if self.split == "train"
                   else [VAL_SPANS])
         rngs = [np.random.default_rng([*stream, step, r])
                 for r in rows]
-        inputs, targets = span_corrupt(
-            raw, self.noise_density, self.mean_noise_span_length,
-            self.meta["first_sentinel_id"], self.meta["eos_id"], rngs)
-        return (torch.from_numpy(inputs).to(device),
-                torch.from_numpy(targets).to(device))
+        corrupted = span_corrupt(raw, *self.noise,
+                                 self.meta["first_sentinel_id"],
+                                 self.meta["eos_id"], rngs)
+        return tuple(torch.from_numpy(x).to(device) for x in corrupted)
 
     def check(self, path, sha256, chunk_bytes=1 << 20):
         """the shard holds what prepare.py wrote; read in chunks (a memmap's
@@ -310,14 +298,13 @@ def span_accuracy(logits, labels, first_sentinel_id):
     argmax is each of its tokens and the one ending it (sentinel or EOS)"""
     sentinel = ((labels <= first_sentinel_id)
                 & (labels > first_sentinel_id - NUM_SENTINELS))
-    # (B, T): the span each label is in or ends; span 0, the first sentinel
+    # (B, T): the span each label is in or ends; span 0, the first
+    # sentinel, is not scored
     span = sentinel.long().cumsum(1) - sentinel.long()
-    wrong = ((logits.argmax(-1) != labels) & (span > 0)).float()
-    wrong_per_span = torch.zeros(labels.size(0), labels.size(1) + 1,
-                                 device=labels.device)
-    wrong_per_span.scatter_add_(1, span, wrong)
-    right = sentinel.sum() - (wrong_per_span[:, 1:] > 0).sum()
-    return right, sentinel.sum()
+    wrong = (logits.argmax(-1) != labels).float()
+    wrong_per_span = torch.zeros_like(wrong).scatter_add_(1, span, wrong)
+    spans = sentinel.sum()
+    return spans - (wrong_per_span[:, 1:] > 0).sum(), spans
 
 def span_fills(labels, first_sentinel_id):
     """every noise span's fill, a tuple of ids, in labels (B, T)"""

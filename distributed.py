@@ -1,9 +1,9 @@
 """
 Many GPUs training as one, under torchrun; a one-GPU run calls none of it
-(train.py calls it under `if rt.torchrun:` or `if fsdp:`). The process
-group and its timeouts; DDP; FSDP2 (HSDP over nodes) applied per block
-from outside, as torchtitan does, each rank drawing or loading only its
-slices; clipping and AdamWScale on slices; any rank's signal, for all.
+(train.py calls it under `if rt.torchrun:` or `if fsdp:`): the process
+group and its timeouts, DDP, FSDP2 (HSDP over nodes) per block as
+torchtitan applies it, each rank drawing or loading only its slices,
+clipping and AdamWScale on slices, any rank's signal for all.
 """
 import contextlib
 import datetime
@@ -72,26 +72,27 @@ def shard_model(model, rt, shard_across_nodes=False):
     each bias table, each block (gathered in bf16 under bf16), the
     embedding (fp32), the root; over nodes HSDP, unless shard_across_nodes
     (docs/scale.md)"""
-    if rt.nodes > 1 and not shard_across_nodes:  # torchtitan's dp_replicate, dp_shard
-        shape, names = (rt.nodes, rt.world_size // rt.nodes), ("replicate", "shard")
-        mesh = init_device_mesh(rt.device_type, shape, mesh_dim_names=names)
+    if rt.nodes > 1 and not shard_across_nodes:
+        shape = (rt.nodes, rt.world_size // rt.nodes)
+        mesh = init_device_mesh(rt.device_type, shape,
+                                mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(rt.device_type, (rt.world_size,))
     GROUPS.extend(mesh.get_all_groups())
     set_timeout(START_TIMEOUT)  # a new group has the backend's default
-    param_dtype = torch.bfloat16 if rt.dtype == "bfloat16" else None  # None: fp32
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype,
-                                  reduce_dtype=torch.float32,
-                                  cast_forward_inputs=False)
+    policy = MixedPrecisionPolicy(  # param_dtype None: fp32
+        param_dtype=torch.bfloat16 if rt.dtype == "bfloat16" else None,
+        reduce_dtype=torch.float32, cast_forward_inputs=False)
     # under bf16 a block's norms scale the fp32 residual stream by bf16
     # weights: torch does it in fp32, unfused, and would say so every step
-    warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")
+    warnings.filterwarnings("ignore",
+                            "Mismatch dtype between input and weight")
     for name, module in model.named_modules():
         if name.endswith("relative_attention_bias"):
             fully_shard(module, mesh=mesh)
     for block in model.blocks():
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    for block in model.decoder.blocks:  # generate() calls it outside forward()
+    for block in model.decoder.blocks:  # generate() calls it, not forward()
         register_fsdp_forward_method(block, "encoder_kv")
     if not model.config.tie_word_embeddings:  # tied: the root's lm_head
         # gathered once a step: forward looks up encoder and decoder tokens
@@ -161,10 +162,10 @@ class SignalFlags:
     ranks stop at one step, within 3 of the signal"""
 
     def __init__(self, rt):
-        self.rt, self.sums = rt, []
+        self.device, self.sums = rt.device, []
 
     def any(self, caught):
-        flag = torch.full((1,), float(caught), device=self.rt.device)
+        flag = torch.full((1,), float(caught), device=self.device)
         dist.all_reduce(flag)  # NCCL: the GPU's stream waits, not the host
         on_host = flag.to("cpu", non_blocking=True)  # when the GPU gets there
         copied = torch.cuda.Event() if flag.is_cuda else None

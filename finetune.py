@@ -4,7 +4,6 @@ held-out test tasks, as the nanoT5 paper does, with Tk-Instruct's recipe.
     git clone https://github.com/allenai/natural-instructions
     python finetune.py --init_from=out/t5_base  # a train.py run, or HF weights
 """
-import dataclasses
 import json
 import math
 import os
@@ -81,7 +80,7 @@ def load_split(data_dir, split, max_num_instances_per_task, seed):
     """SNI's default train or test split, a dict per example, read as
     Tk-Instruct reads it"""
     with open(sni_split(data_dir, split), encoding="utf-8") as f:
-        task_names = [line.strip() for line in f if line.strip()]
+        task_names = f.read().split()
     examples = []
     for name in task_names:
         with open(os.path.join(data_dir, "tasks", name + ".json"),
@@ -98,22 +97,19 @@ def load_split(data_dir, split, max_num_instances_per_task, seed):
         rng = random.Random(f"{seed}-{name}")  # whatever others drew
         count = min(max_num_instances_per_task, len(instances))
         for i in sorted(rng.sample(range(len(instances)), count)):
-            instance = instances[i]
-            references = instance["output"]
+            ex = instances[i]
             examples.append(dict(
-                task=name, id=instance.get("id") or f"{name}-{i}",
+                task=name, id=ex.get("id") or f"{name}-{i}",
                 definition=definition, positives=positives,
-                input=instance["input"], references=references,
-                target=rng.choice(references)))
+                input=ex["input"], references=ex["output"],
+                target=rng.choice(ex["output"])))
     return examples
-
-def end_with_punctuation(text):  # as Tk-Instruct ends each part
-    return text if text[-1] in string.punctuation else text + "."
 
 def build_prompt(definition, positives, instance_input, num_pos_examples=2):
     """Tk-Instruct's "definition + positive examples" prompt, spacing and
     periods included"""
-    dot = end_with_punctuation
+    def dot(text):  # as Tk-Instruct ends each part
+        return text if text[-1] in string.punctuation else text + "."
     prompt = dot("Definition: " + definition.strip()) + "\n\n"
     for i, (x, y) in enumerate(positives[:num_pos_examples]):
         prompt += f" Positive Example {i + 1} -\n"
@@ -127,14 +123,14 @@ def tokenize_example(example, tokenizer, eos_id, max_input_length,
                      max_target_length, num_pos_examples):
     """the example with prompt, input_ids and labels (each ending in EOS),
     within the limits: as many positive examples as fit, as Tk-Instruct"""
-    most = min(num_pos_examples, len(example["positives"]))
-    for k in range(most, -1, -1):
-        prompt = build_prompt(example["definition"], example["positives"],
+    positives = example["positives"]
+    for k in range(min(num_pos_examples, len(positives)), -1, -1):
+        prompt = build_prompt(example["definition"], positives,
                               example["input"], k)
         input_ids = tokenizer.encode(prompt) + [eos_id]
         if len(input_ids) <= max_input_length:
             break
-    if len(input_ids) > max_input_length:
+    else:  # too long even without examples: cut
         input_ids = input_ids[:max_input_length - 1] + [eos_id]
         prompt = tokenizer.decode(input_ids[:-1])  # what the model sees
     target = tokenizer.encode(example["target"].strip())
@@ -180,9 +176,8 @@ def generate_predictions(model, examples, tokenizer, batch_size,
     shard += shard[-1:] * (-(-len(examples) // world_size) - len(shard))
     eos_id = model.config.eos_token_id
     predictions = []
-    starts = range(0, len(shard), batch_size)
-    for start in tqdm(starts, desc="generating", unit="batch",
-                      disable=rank != 0):
+    for start in tqdm(range(0, len(shard), batch_size), desc="generating",
+                      unit="batch", disable=rank != 0):
         indices = shard[start:start + batch_size]
         batch = collate([examples[i] for i in indices],
                         model.config.pad_token_id)
@@ -203,16 +198,13 @@ if __name__ == "__main__":
         ("optimizer", optimizer in OPTIMIZERS,
          f"one of {', '.join(OPTIMIZERS)}"),
         ("dropout", 0 <= dropout < 1, "in [0, 1)"),
-        ("grad_clip", grad_clip >= 0, ">= 0 (0: no clipping)"),
-        ("max_steps", max_steps >= 0, ">= 0 (0: epochs)"),
-        ("eval_interval", eval_interval >= 0, ">= 0 (0: at the end)"),
         ("seed", 0 <= seed < 2**32, "in [0, 2**32), as numpy takes it"),
         ("init_from", init_from not in ("scratch", "auto"),
-         "the weights to fine-tune (a run, Hugging Face's), or resume: its "
-         "run's newest checkpoint"),
+         "the weights to fine-tune (a run's, HF's), or resume"),
         runtime.wandb_rule(wandb_log),
-        *[(key, config[key] >= 0, ">= 0")
-          for key in ("weight_decay", "num_pos_examples")],
+        *[(key, config[key] >= 0, ">= 0") for key in (
+            "grad_clip", "max_steps", "eval_interval", "weight_decay",
+            "num_pos_examples")],
         *[(key, config[key] > 0, "> 0") for key in (
             "lr", "batch_size", "grad_accum_steps", "epochs", "log_interval",
             "checkpoint_interval", "max_input_length", "max_target_length",
@@ -232,8 +224,7 @@ if __name__ == "__main__":
         init_from, out_dir, "finetune.py", config,
         ("optimizer", "weight_decay"), fsdp=fsdp)
     tokenizer = tokenizer_of(ckpt, init_from)
-    t5_config = dataclasses.replace(T5Config(**ckpt["model_config"]),
-                                    dropout=dropout)
+    t5_config = T5Config(**{**ckpt["model_config"], "dropout": dropout})
     if fsdp:  # dynamic: prompts of many lengths
         model = distributed.sharded_t5(t5_config, rt, compile, dynamic=True)
     else:
@@ -248,12 +239,10 @@ if __name__ == "__main__":
         train_model = distributed.ddp(train_model, rt)
 
     def tokenized_split(split):
-        examples = load_split(data_dir, split, max_num_instances_per_task,
-                              seed)
-        limits = (max_input_length, max_target_length, num_pos_examples)
-        eos_id = model.config.eos_token_id
-        return [tokenize_example(ex, tokenizer, eos_id, *limits)
-                for ex in examples]
+        args = (tokenizer, t5_config.eos_token_id, max_input_length,
+                max_target_length, num_pos_examples)
+        return [tokenize_example(ex, *args) for ex in load_split(
+            data_dir, split, max_num_instances_per_task, seed)]
     test_examples = tokenized_split("test")
     train_examples = [] if eval_only else tokenized_split("train")
     print0(f"{len(train_examples):,} train and {len(test_examples):,} test "
@@ -272,9 +261,8 @@ if __name__ == "__main__":
                      else (0, 0.0))
     for group in opt.param_groups:
         group["lr"] = lr  # a resume's --lr, not its checkpoint's
-    # checkpoints hold, besides the state, the pre-training data's meta,
-    # the tokenizer, the wandb run and the weights it fine-tunes (a step
-    # folder, HF's), which metrics.json names
+    # what checkpoints hold besides the state; weights: those the run
+    # fine-tunes (a step folder, HF's), which metrics.json names
     wandb_id = ckpt.get("wandb_id") if resuming else None
     weights = ckpt["weights"] if resuming else ckpt["source"]
     identity = dict(program="finetune.py", config=config)
@@ -290,16 +278,17 @@ if __name__ == "__main__":
     @lru_cache(maxsize=1)
     def epoch_order(epoch):  # of (seed, epoch) alone: a resume's too
         generator = torch.Generator().manual_seed(seed + epoch)
-        return torch.randperm(len(train_examples), generator=generator).tolist()
+        return torch.randperm(len(train_examples), generator=generator)
 
     def micro_batches(step):
         """this rank's micro-batches of step, collated"""
         epoch, i = divmod(step, steps_per_epoch)
+        order = epoch_order(epoch)
         batches = []
         for micro_step in range(grad_accum_steps):
             first = (i * batch_size
                      + (micro_step * rt.world_size + rt.rank) * micro_batch)
-            rows = epoch_order(epoch)[first:first + micro_batch]
+            rows = order[first:first + micro_batch].tolist()
             batch = collate([train_examples[j] for j in rows],
                             model.config.pad_token_id)
             batches.append({k: t.to(rt.device) for k, t in batch.items()})
@@ -327,9 +316,8 @@ if __name__ == "__main__":
         with atomic_write(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f, indent=2)
         logger.log({"step": step, "rougeL": metrics["rougeL"]})
-        print0(f"step {step}: Rouge-L {metrics['rougeL']:.2f} on "
-               f"{metrics['num_examples']:,} test examples; predictions in "
-               f"{path}")
+        print(f"step {step}: Rouge-L {metrics['rougeL']:.2f} on "
+              f"{len(records):,} test examples; predictions in {path}")
 
     # the loop, as train.py's
     signals = runtime.Signals(rt)
@@ -338,7 +326,6 @@ if __name__ == "__main__":
     max_norm = grad_clip or math.inf
     nonfinite = 0
     start_step, synced_step, synced_elapsed = step, step, elapsed
-    model.train()
     clock = time.time()
     last_step = step >= max_steps
     while not last_step:
@@ -346,7 +333,7 @@ if __name__ == "__main__":
         # micro-batch weighing its tokens (DDP, FSDP average the ranks')
         batches = micro_batches(step)
         tokens = [(batch["labels"] != -100).sum() for batch in batches]
-        step_tokens = torch.stack(tokens).sum()
+        step_tokens = sum(tokens)
         if rt.torchrun:
             torch.distributed.all_reduce(step_tokens)
         train_loss = 0.0
@@ -396,7 +383,7 @@ if __name__ == "__main__":
                         "ms_per_step": 1000 * step_s, "elapsed": elapsed})
             eta = (max_steps - step) * step_s / 3600
             print0(f"step {step:6d}/{max_steps} | epoch {epoch:.2f} | loss "
-                   f"{loss:.4f} | grad norm {grad_norm.item():.3f} | "
+                   f"{loss:.4f} | grad norm {grad_norm:.3f} | "
                    f"{1000 * step_s:.0f} ms/step | eta {eta:.2f} h")
             if saving:
                 checkpoint.save_checkpoint(out_dir, model, opt, step,

@@ -15,8 +15,7 @@ import torch
 
 from model import T5, T5Config
 from runtime import atomic_write
-from tokenizer import (BPE_PATTERN, NUM_SENTINELS, TIKTOKEN_LINE, Tokenizer,
-                       read_ranks)
+from tokenizer import BPE_PATTERN, NUM_SENTINELS, Tokenizer, read_ranks
 
 NOTHING_THERE = ("error: {} holds no run or weights{}: pass a run's out_dir "
                  "(or a step folder of its ckpt/), a folder of Hugging Face "
@@ -76,11 +75,9 @@ def read_hf(name_or_dir):
                          f"which model.py implements (t5-v1_1, flan-t5, "
                          f"t5-lm-adapt, nanoT5)")
     state_dict = read_weights_file(folder)
-    fields = {}
-    for field in dataclasses.fields(T5Config):
-        value = hf.get(HF_CONFIG_NAMES.get(field.name, field.name))
-        if value is not None:
-            fields[field.name] = value
+    fields = {f.name: hf.get(HF_CONFIG_NAMES.get(f.name, f.name))
+              for f in dataclasses.fields(T5Config)}
+    fields = {k: v for k, v in fields.items() if v is not None}
     fields.setdefault('num_decoder_layers', fields['num_layers'])
     # transformers 5 says tie_word_embeddings=true even when untied: the
     # weights decide
@@ -112,18 +109,16 @@ def save_pretrained(model, folder, tokenizer=None):
     hf = {HF_CONFIG_NAMES.get(k, k): v
           for k, v in dataclasses.asdict(c).items()}
     hf.update(architectures=['T5ForConditionalGeneration'], model_type='t5',
-              feed_forward_proj='gated-gelu', dense_act_fn='gelu_new',
-              is_gated_act=True, is_encoder_decoder=True,
-              initializer_factor=1.0, use_cache=True,
-              scale_decoder_outputs=c.output_scaling != 1.0)
+              feed_forward_proj='gated-gelu', is_encoder_decoder=True,
+              initializer_factor=1.0, scale_decoder_outputs=c.output_scaling != 1.0)
     os.makedirs(folder, exist_ok=True)
     if tokenizer:
         hf['tokenizer_sha256'] = hashlib.sha256(tokenizer).hexdigest()
-        bpe = TIKTOKEN_LINE.match(tokenizer)
-        name = 'tokenizer.tiktoken' if bpe else 'spiece.model'
+        tok = Tokenizer(tokenizer)
+        name = 'tokenizer.tiktoken' if tok.tiktoken else 'spiece.model'
         with atomic_write(os.path.join(folder, name)) as f:
             f.write(tokenizer)
-        save_hf_tokenizer(Tokenizer(tokenizer), folder)
+        save_hf_tokenizer(tok, folder)
     with atomic_write(os.path.join(folder, 'model.safetensors')) as f:
         f.write(save(tensors, metadata={'format': 'pt'}))
     with atomic_write(os.path.join(folder, 'config.json'), 'w') as f:

@@ -37,7 +37,7 @@ class T5Config:
 
     @classmethod
     def from_preset(cls, name, **overrides):
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**(PRESETS[name] | overrides))
 
 # t5x's shapes; t5-mini and t5-tiny train on a laptop CPU
 PRESETS = {
@@ -118,14 +118,13 @@ class Attention(nn.Module):
         buckets = relative_position_bucket(
             relative_position, self.bidirectional, self.num_buckets, self.max_distance)
         bias = self.relative_attention_bias(buckets)  # (Tq, Tk, nh)
-        return bias.permute(2, 0, 1).unsqueeze(0).contiguous()  # (1, nh, Tq, Tk)
+        return bias.permute(2, 0, 1)[None].contiguous()  # (1, nh, Tq, Tk)
 
     def split_heads(self, t):  # (B, T, nh * hs) -> (B, nh, T, hs)
-        return t.view(t.size(0), t.size(1), -1, self.d_kv).transpose(1, 2)
+        return t.unflatten(2, (-1, self.d_kv)).transpose(1, 2)
 
-    def kv(self, source):  # (B, T, d_model) -> k, v (B, nh, T, hs)
-        k, v = self.k(source), self.v(source)
-        return self.split_heads(k), self.split_heads(v)
+    def kv(self, x):  # (B, T, d_model) -> k, v (B, nh, T, hs)
+        return self.split_heads(self.k(x)), self.split_heads(self.v(x))
 
     def forward(self, x, mask, kv=None, pos=None):
         """x (B, T, d_model); mask: the position bias, -large where masked.
@@ -135,9 +134,9 @@ class Attention(nn.Module):
         k, v = self.kv(x) if kv is None else kv
         if pos is not None:  # decoding: this step's k, v join the cache
             k, v = self.kv_cache.update(pos, k, v)
-        dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=1.0, dropout_p=dropout)
+            q, k, v, attn_mask=mask, scale=1.0,
+            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).flatten(2)  # (B, nh, T, hs) -> (B, T, nh * hs)
         return self.o(y)
 
@@ -154,13 +153,15 @@ class GatedGELU(nn.Module):
         h = F.gelu(self.wi_0(x), approximate='tanh') * self.wi_1(x)
         return self.wo(self.dropout(h))
 
+def rms_norm(config):  # T5's layer norm: no mean, no bias, on the fp32 stream
+    return nn.RMSNorm(config.d_model, config.layer_norm_eps)
+
 class EncoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
         super().__init__()
-        # T5's layer norm is RMSNorm (no mean, no bias), on the fp32 stream
-        self.ln_1 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_1 = rms_norm(config)
         self.attn = Attention(config, has_relative_attention_bias)
-        self.ln_2 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_2 = rms_norm(config)
         self.ff = GatedGELU(config)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -171,12 +172,12 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
     def __init__(self, config, has_relative_attention_bias):
         super().__init__()
-        self.ln_1 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_1 = rms_norm(config)
         self.self_attn = Attention(
             config, has_relative_attention_bias, bidirectional=False)
-        self.ln_2 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_2 = rms_norm(config)
         self.cross_attn = Attention(config)
-        self.ln_3 = nn.RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_3 = rms_norm(config)
         self.ff = GatedGELU(config)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -199,8 +200,7 @@ def padding_mask(attention_mask, dtype):
     (-inf gives NaN)"""
     if attention_mask is not None:
         padded = attention_mask[:, None, None, :] == 0
-        mask = torch.zeros_like(padded, dtype=dtype)
-        return mask.masked_fill(padded, torch.finfo(dtype).min)
+        return padded.to(dtype) * torch.finfo(dtype).min
 
 class Stack(nn.Module):
     """all blocks share the first's position bias"""
@@ -208,7 +208,7 @@ class Stack(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(
             [block(config, i == 0) for i in range(num_layers)])
-        self.ln_f = nn.RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ln_f = rms_norm(config)
         self.dropout = nn.Dropout(config.dropout)
 
 class Encoder(Stack):
@@ -258,16 +258,13 @@ class T5(nn.Module):
         self.encoder = Encoder(config, EncoderBlock, config.num_layers)
         self.decoder = Decoder(config, DecoderBlock, config.num_decoder_layers)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.tie_weights()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.shared.weight
         if not self.shared.weight.is_meta:  # meta: shapes, for FSDP to shard
             self.init_weights()
 
-    def blocks(self):  # the encoder's, then the decoder's
+    def blocks(self):
         return [*self.encoder.blocks, *self.decoder.blocks]
-
-    def tie_weights(self):
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.shared.weight
 
     def init_weights(self):
         """each tensor in turn from one generator of init_seed (a tied
@@ -280,7 +277,7 @@ class T5(nn.Module):
     @torch.no_grad()
     def init_parameter(self, name, p, generator):
         """Mesh-TensorFlow's init: matrices N(0, 1/fan_in), q's
-        N(0, 1/(fan_in * d_kv)) as attention skips 1/sqrt(d_kv); embeddings
+        N(0, 1/(fan_in * d_kv)) as attention skips 1/sqrt(d_kv); shared
         N(0, 1); an untied lm_head t5x's d_model**-0.5, not HF's 1.0
         (loss > 100 at start)."""
         c = self.config
@@ -299,8 +296,7 @@ class T5(nn.Module):
 
     def compute_dtype(self, device):
         # the masks are built once in it, as SDPA's fused kernels want q's
-        autocast = torch.is_autocast_enabled(device.type)
-        if autocast:
+        if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
         return self.shared.weight.dtype
 
@@ -357,14 +353,14 @@ class T5(nn.Module):
         for block in self.decoder.blocks:
             block.self_attn.kv_cache = KVCache(cache_shape, dtype, device)
         token = torch.full((B, 1), c.decoder_start_token_id, **ids)
-        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        finished = torch.zeros_like(token, dtype=torch.bool)
         pos = torch.zeros(1, **ids)  # where the cache writes this step's k, v
         for i in range(max_new_tokens):
             logits = self.decode_step(token, pos, encoder_kv, cross_mask)
             token = logits.argmax(-1, keepdim=True)
-            token.masked_fill_(finished[:, None], c.pad_token_id)
+            token.masked_fill_(finished, c.pad_token_id)
             out[:, i] = token[:, 0]
-            finished |= token[:, 0] == c.eos_token_id
+            finished |= token == c.eos_token_id
             if finished.all():
                 break
             pos += 1

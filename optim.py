@@ -31,7 +31,8 @@ class AdamWScale(torch.optim.Optimizer):
     def rms(self, params):  # each tensor's root mean square, (n,)
         norms = torch._foreach_norm(self.shards(params))
         squares = self.sum_over_shards(torch.stack(norms).square())
-        return (squares / squares.new_tensor([p.numel() for p in params])).sqrt()
+        sizes = squares.new_tensor([p.numel() for p in params])
+        return (squares / sizes).sqrt()
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: torch.optim's signature
@@ -39,20 +40,21 @@ class AdamWScale(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
-            for p in params:
-                if not self.state[p]:
-                    self.state[p].update(step=torch.zeros((), device=p.device),
-                                         exp_avg=torch.zeros_like(p),
-                                         exp_avg_sq=torch.zeros_like(p))
+            (b1, b2), lr = group["betas"], group["lr"]
             states = [self.state[p] for p in params]
+            for p, s in zip(params, states):
+                if not s:
+                    s.update(step=torch.zeros((), device=p.device),
+                             exp_avg=torch.zeros_like(p),
+                             exp_avg_sq=torch.zeros_like(p))
             t = [s["step"] for s in states]
             torch._foreach_add_(t, 1)
             t = torch.stack(t)  # each tensor's steps, this one included
             rms = self.rms(params)  # of p before this step
             p, g, m, v = (self.shards(x) for x in (
                 params, [p.grad for p in params],
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]))
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states]))
             # (1) m = b1*m + (1-b1)*g
             torch._foreach_lerp_(m, g, 1 - b1)
             # (2) v = b2*v + (1-b2)*g^2
@@ -62,13 +64,13 @@ class AdamWScale(torch.optim.Optimizer):
             # 1-b^t as -expm1(t log b), which float32 holds to its last digit
             c1, c2 = (-torch.expm1(t * math.log(b)) for b in (b1, b2))
             step_size = lr * c2.sqrt() / c1 * rms.clamp(min=1e-3)
-            # (4) p -= step_size * m / (sqrt(v) + eps), the denominator in the
-            # gradients' memory, read for the last time in (2): a copy would
-            # add 4 bytes a parameter to the step's peak
+            # (4) p -= step_size * m / (sqrt(v) + eps), the denominator in
+            # g's memory (last read in (2)): a copy would add 4 bytes a
+            # parameter to the step's peak
             denom = g
             torch._foreach_copy_(denom, v)
             torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
+            torch._foreach_add_(denom, group["eps"])
             torch._foreach_div_(denom, list(step_size.unbind()))
             torch._foreach_addcdiv_(p, m, denom, value=-1)
             # (5) p -= lr * weight_decay * p, decoupled from the step

@@ -70,13 +70,12 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000,
                 f"error: {out_dir} was prepared with other settings "
                 f"({changed}): use another --out_dir, or delete it to "
                 f"start over")
-        copy = os.path.join(out_dir, meta["tokenizer_file"])
-        if os.path.isfile(tokenizer) and (
-                read_tokenizer(tokenizer).data != read_tokenizer(copy).data):
+        if os.path.isfile(tokenizer) and (read_tokenizer(tokenizer).sha256
+                                          != meta["tokenizer_sha256"]):
             raise SystemExit(
                 f"error: {tokenizer} is not the tokenizer {out_dir} was "
-                f"prepared with (it changed since): use another --out_dir, "
-                f"or delete it to start over")
+                f"prepared with: use another --out_dir, or delete it to "
+                f"start over")
         if meta["complete"]:
             return load_meta(out_dir)
         # what a writer killed before its rename left (the folder is ours)
@@ -164,9 +163,8 @@ def write_shards(docs, tok, num_threads, shards, shard_tokens, max_tokens,
                        "sha256": sha256.hexdigest()})
         save()
     chunks = encoded_chunks(itertools.islice(docs, doc, None), tok, num_threads)
-    total = max_tokens if max_tokens < math.inf else None
-    bar = tqdm(desc=split, total=total, initial=done, unit="tok",
-               unit_scale=True)
+    bar = tqdm(desc=split, total=max_tokens, initial=done, unit="tok",
+               unit_scale=True)  # an inf total: tqdm's unknown
     with closing(chunks), bar:
         for ids, lengths in chunks:
             ends = np.cumsum(lengths)
@@ -225,16 +223,16 @@ def open_dataset(dataset):  # its splits, streamed
     import datasets
     loader = LOADERS.get(
         os.path.splitext(dataset.lower().removesuffix(".gz"))[1])
-    if loader and not os.path.isfile(dataset):
-        raise SystemExit(f"error: input file {dataset} not found")
-    if not loader and os.path.exists(dataset):
-        raise SystemExit(
-            f"error: {dataset} is not a {'/'.join(LOADERS)} file (or .gz): "
-            f"its extension says how to read it")
     if loader:
+        if not os.path.isfile(dataset):
+            raise SystemExit(f"error: input file {dataset} not found")
         options = dict(sample_by="paragraph") if loader == "text" else {}
         return datasets.load_dataset(loader, data_files=dataset,
                                      streaming=True, **options)
+    if os.path.exists(dataset):
+        raise SystemExit(
+            f"error: {dataset} is not a {'/'.join(LOADERS)} file (or .gz): "
+            f"its extension says how to read it")
     repo_id, config_name = (("allenai/c4", "en") if dataset == "c4"
                             else (dataset, None))
     hub_check(repo_id, "dataset",

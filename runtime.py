@@ -1,7 +1,7 @@
 """
 What a run needs around the model: the device, its float modes, speed and
-memory; files written whole, a folder held by one run; signals; sums over
-torchrun's ranks (one process's, as they are); the log.
+memory; files written whole; a folder held by one run; signals; sums over
+the ranks; the log.
 """
 import contextlib
 import fcntl
@@ -48,8 +48,8 @@ def lock_folder(out_dir, lock=True):
         return None
     try:
         os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, ".lock")
-        file = open(path, "a") if lock else TemporaryFile(dir=out_dir)
+        file = (open(os.path.join(out_dir, ".lock"), "a") if lock
+                else TemporaryFile(dir=out_dir))
     except OSError as e:
         raise SystemExit(f"error: can't write in {out_dir} ({e.strerror}): "
                          f"pass an --out_dir you can write to") from None
@@ -69,11 +69,12 @@ def lock_folder(out_dir, lock=True):
 DTYPES = ("float32", "tfloat32", "bfloat16")
 
 # dense peak FLOP/s (float32, tfloat32, bfloat16): NVIDIA's data sheets
+A100 = (19.5e12, 156e12, 312e12)
 PEAK_FLOPS = {
-    "NVIDIA A100-SXM4-40GB": (19.5e12, 156e12, 312e12),
-    "NVIDIA A100-SXM4-80GB": (19.5e12, 156e12, 312e12),
-    "NVIDIA A100-PCIE-40GB": (19.5e12, 156e12, 312e12),
-    "NVIDIA A100 80GB PCIe": (19.5e12, 156e12, 312e12),
+    "NVIDIA A100-SXM4-40GB": A100,
+    "NVIDIA A100-SXM4-80GB": A100,
+    "NVIDIA A100-PCIE-40GB": A100,
+    "NVIDIA A100 80GB PCIe": A100,
     "NVIDIA H100 80GB HBM3": (67e12, 494.5e12, 989.5e12),  # SXM
     "NVIDIA H100 PCIe": (51e12, 378e12, 756.5e12),
     "NVIDIA H200": (67e12, 494.5e12, 989.5e12),  # SXM
@@ -148,8 +149,8 @@ class Runtime:
         """values (numbers, 0-d tensors on the device) summed over the
         ranks, in one all-reduce, as floats: the host waits for the device"""
         device = self.device if self.torchrun else "cpu"  # MPS: no float64
-        values = [torch.as_tensor(v).to(device, torch.float64) for v in values]
-        values = torch.stack(values)
+        values = torch.stack([torch.as_tensor(v).to(device, torch.float64)
+                              for v in values])
         if self.torchrun:
             dist.all_reduce(values)
         return values.tolist()
@@ -159,9 +160,8 @@ class Runtime:
             return given or None
         name = torch.cuda.get_device_name(self.device).strip()
         if name not in PEAK_FLOPS:
-            print0(f"'{name}' is not in runtime.PEAK_FLOPS, so no MFU is "
-                   f"shown: pass --peak_flops=<its dense {self.dtype} "
-                   f"FLOP/s from the data sheet>")
+            print0(f"no MFU: '{name}' is not in runtime.PEAK_FLOPS; pass "
+                   f"--peak_flops=<its dense {self.dtype} FLOP/s>")
             return None
         return PEAK_FLOPS[name][DTYPES.index(self.dtype)]
 
@@ -193,8 +193,8 @@ def setup_runtime(device="auto", dtype="bfloat16", seed=1337, fsdp=False):
         device = next(name for name, found in there.items() if found)
     device_type = device.split(":")[0]
     if not there[device_type]:
-        raise SystemExit(f"error: device '{device}' asked for, but torch "
-                         f"sees no such GPU here; use --device=cpu")
+        raise SystemExit(f"error: torch sees no {device} here: use "
+                         f"--device=cpu")
     # a CPU without native bf16 matmuls would cast, for no speed
     if device_type == "cpu" and dtype == "bfloat16":
         with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -280,11 +280,10 @@ class Logger:
             return run_id
         import wandb  # only when asked for
         name = name or os.path.basename(os.path.abspath(self.out_dir))
-        rewind = {}
-        if run_id:
-            rewind = dict(resume_from=f"{run_id}?_step={self.resume_step}")
+        rewind = f"{run_id}?_step={self.resume_step}" if run_id else None
         self.wandb_run = wandb.init(project=project, name=name,
-                                    config=config, dir=self.out_dir, **rewind)
+                                    config=config, dir=self.out_dir,
+                                    resume_from=rewind)
         return self.wandb_run.id
 
     def log(self, record):

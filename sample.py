@@ -16,7 +16,7 @@ SENTINEL = re.compile(r"<extra_id_(\d+)>")  # where the model fills in
 
 def check_text(text):
     """the gaps of --text: marked <extra_id_0> to <extra_id_99>, each once"""
-    numbers = [int(number) for number in SENTINEL.findall(text)]
+    numbers = [int(n) for n in SENTINEL.findall(text)]
     if not numbers:
         raise SystemExit("error: --text has no sentinel to fill in: mark gaps "
                          "with <extra_id_0>, <extra_id_1>, ...")
@@ -69,10 +69,9 @@ if __name__ == "__main__":
     rt = setup_runtime(device, "float32")
     ckpt = load(init_from)
     model = model_from_checkpoint(ckpt).to(rt.device).eval()
-    # the one it was trained with, which its checkpoint carries
-    tok = tokenizer_of(ckpt, init_from)
+    tok = tokenizer_of(ckpt, init_from)  # the one it was trained with
     ids = encode(tok, text)
-    inputs = torch.tensor([ids], device=rt.device)
-    fill = model.generate(inputs, max_new_tokens=max_new_tokens)[0].tolist()
+    fill = model.generate(torch.tensor([ids], device=rt.device),
+                          max_new_tokens=max_new_tokens)[0].tolist()
     corrupted = tok.decode(ids)
     print0(f"input: {corrupted}\nmodel: {fill_in(tok, corrupted, fill)}")

@@ -25,11 +25,10 @@ TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+\n")
 BPE_PATTERN = tiktoken_ext.openai_public.r50k_pat_str
 
 class Tokenizer:
-    """A tokenizer file's bytes (data), the sentinels after its ids:
-    <extra_id_i> = vocab_size - 1 - i. A sentencepiece model as T5's (pad
-    0, eos 1, unk 2), or a byte-level BPE split as GPT-2 splits: ids are
-    the ranks, then <|endoftext|> as EOS, pad and decoder start (GPT-2:
-    EOS 50256, <extra_id_0> 50356)."""
+    """A tokenizer file's bytes (data); <extra_id_i> = vocab_size - 1 - i.
+    A sentencepiece model as T5's (pad 0, eos 1, unk 2), or a byte-level
+    BPE split as GPT-2 splits: ids are the ranks, then <|endoftext|> as
+    EOS, pad and decoder start (GPT-2: EOS 50256, <extra_id_0> 50356)."""
     def __init__(self, data):
         self.data = data
         self.sha256 = hashlib.sha256(data).hexdigest()
@@ -105,20 +104,19 @@ class Tokenizer:
         and the true one, as an evaluation prints them"""
         inputs, fill, truth = (np.asarray(x).tolist()
                                for x in (inputs, fill, truth))
-        shown = [i for i, token in enumerate(inputs)
-                 if self.is_sentinel(token)][:num_spans]
-        keep = sorted({j for i in shown
+        sentinels = [i for i, token in enumerate(inputs)
+                     if self.is_sentinel(token)][:num_spans]
+        keep = sorted({j for i in sentinels
                        for j in range(i - context, i + context + 1)
                        if 0 <= j < len(inputs)})
-        runs = (np.split(np.array(keep), np.nonzero(np.diff(keep) > 1)[0] + 1)
-                if keep else [])
+        runs = np.split(keep, np.flatnonzero(np.diff(keep) > 1) + 1)
         text = " ... ".join(self.decode([inputs[j] for j in run]).strip()
                             for run in runs)
         start = "... " if keep and keep[0] > 0 else ""
-        shown = {name: self.decode(ids[:self.shown_length(ids, num_spans)])
-                 for name, ids in (("model", fill), ("truth", truth))}
-        return {"input": start + text + " ...",
-                **{name: text.strip() for name, text in shown.items()}}
+        model, truth = (self.decode(ids[:self.shown_length(ids, num_spans)])
+                        for ids in (fill, truth))
+        return {"input": start + text + " ...", "model": model.strip(),
+                "truth": truth.strip()}
 
 def read_tokenizer(path):
     with open(path, "rb") as f:
@@ -145,13 +143,13 @@ def read_ranks(data):
 def t5_spiece():
     """the path of T5's spiece.model, from the Hugging Face cache or Hub"""
     from huggingface_hub import hf_hub_download
+    repo = "google/t5-v1_1-base"
     try:
-        return hf_hub_download("google/t5-v1_1-base", "spiece.model",
-                               local_files_only=True)
+        return hf_hub_download(repo, "spiece.model", local_files_only=True)
     except FileNotFoundError:  # not cached yet
-        hub_check("google/t5-v1_1-base", "model",
+        hub_check(repo, "model",
                   "pass a local copy of T5's spiece.model instead")
-        return hf_hub_download("google/t5-v1_1-base", "spiece.model")
+        return hf_hub_download(repo, "spiece.model")
 
 def hub_check(repo_id, repo_type, hint):
     """in seconds, not minutes of retries: the Hub or repo out of reach"""
@@ -192,8 +190,8 @@ def train_spiece(texts, vocab_size, max_chars=20_000_000):
             num_threads=8)  # fixed: the model depends on it
     except RuntimeError as e:
         # "Vocabulary size too high (8000). Please set it to a value <= 3012."
-        bound = re.search(r"<= (\d+)| vs (\d+)", str(e))
-        fix = f": use --vocab_size={bound[1] or bound[2]}" if bound else ""
+        bound = re.search(r"(?:<=| vs) (\d+)", str(e))
+        fix = f": use --vocab_size={bound[1]}" if bound else ""
         reason = str(e).split("] ")[-1].split(". ")[0]
         raise SystemExit(f"error: sentencepiece training failed: "
                          f"{reason}{fix}") from None
@@ -224,12 +222,11 @@ def tokenizer_of(ckpt, source):
     """the tokenizer of a checkpoint's model: the one it carries; for HF
     weights the spiece.model beside them, or else T5's; it makes the
     model's vocab"""
-    vocab_size = ckpt["model_config"]["vocab_size"]
-    if ckpt["tokenizer"] is None and vocab_size != 32128:  # T5's, padded
+    data, vocab_size = ckpt["tokenizer"], ckpt["model_config"]["vocab_size"]
+    if data is None and vocab_size != 32128:  # T5's, padded
         raise SystemExit(f"error: {source} holds no spiece.model, and its "
                          f"vocab of {vocab_size} is not T5's tokenizer's: "
                          f"copy the model's tokenizer there as spiece.model")
-    data = ckpt["tokenizer"]
     tok = Tokenizer(data) if data else read_tokenizer(t5_spiece())
     if tok.model_vocab_size != vocab_size:
         raise SystemExit(f"error: the tokenizer of {source} is not the "

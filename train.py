@@ -7,7 +7,6 @@ read top to bottom.
 A one-GPU reader passes over the lines under `if rt.torchrun:` and `if
 fsdp:`: they call distributed.py, where many GPUs train as one.
 """
-import dataclasses
 import math
 import os
 import time
@@ -140,14 +139,13 @@ train_batches = Prefetcher(train_data, grad_accum_steps, rt.rank,
 
 # 3. the model: T5(config) on the device draws its weights, which a
 # checkpoint's replace; under FSDP each rank keeps only its own slices
-ids = dict(eos_token_id=meta["eos_id"], pad_token_id=meta["pad_id"],
-           decoder_start_token_id=meta["pad_id"])  # T5 starts with pad
-if ckpt:
-    t5_config = T5Config(**ckpt["model_config"])
-else:
-    vocab_size = meta["model_vocab_size"]
-    t5_config = T5Config.from_preset(model, vocab_size=vocab_size, **ids)
-t5_config = dataclasses.replace(t5_config, dropout=dropout)  # HF's say 0.1
+if ckpt:  # with our dropout: HF's configs say 0.1
+    t5_config = T5Config(**{**ckpt["model_config"], "dropout": dropout})
+else:  # T5 starts decoding with pad
+    t5_config = T5Config.from_preset(
+        model, vocab_size=meta["model_vocab_size"], dropout=dropout,
+        eos_token_id=meta["eos_id"], pad_token_id=meta["pad_id"],
+        decoder_start_token_id=meta["pad_id"])
 if fsdp:
     t5 = distributed.sharded_t5(t5_config, rt, compile,
                                 activation_checkpointing, shard_across_nodes)
