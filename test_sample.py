@@ -1,6 +1,8 @@
 """sample.py run as a user runs it, on a short train.py run: a text with sentinels filled in by generate(), Hugging
-Face weights with the tokenizer beside them, a byte-level BPE's run exported for transformers' AutoTokenizer, and bad
-input as one line."""
+Face weights with the tokenizer beside them, a byte-level BPE's run exported for transformers' AutoTokenizer, bad
+input as one line; and plot.py's pictures of such a run."""
+import json
+import math
 import os
 import shutil
 
@@ -10,6 +12,7 @@ import torch
 import prepare as P
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
 from hf import read_hf, save_pretrained
+from model import T5, T5Config
 from sample import check_text, encode, fill_in
 from tokenizer import tokenizer_of
 from test_prepare import write_bpe_ranks, write_c4_jsonl
@@ -165,3 +168,70 @@ def test_a_text_is_checked_where_it_enters(text, message):
     with pytest.raises(SystemExit, match=message):
         check_text(text)
     check_text("a <extra_id_0> b <extra_id_1>")
+
+
+# relative_position_bucket's worked example (model.py's docstring), num_buckets 32 and max_distance 128; the
+# decoder's keys on the right are its future, masked: not drawn
+DISTANCES = [-128, -64, -32, -16, -8, -7, -1, 0, 1, 7, 8, 16, 32, 64, 128]
+ENCODER_BUCKETS = [15, 14, 12, 10, 8, 7, 1, 0, 17, 23, 24, 26, 28, 30, 31]
+DECODER_BUCKETS = [31, 26, 21, 16, 8, 7, 1, 0, None, None, None, None, None, None, None]
+
+
+def test_plot_draws_each_heads_learned_bias_by_distance():
+    """the bias drawn at key - query d for head h is the stack's relative_attention_bias[bucket(d), h]"""
+    from plot import plot_biases, position_biases
+    t5 = T5(T5Config.from_preset("t5-mini", vocab_size=256))
+    with torch.no_grad():  # bias[bucket, head] = 100 * head + bucket (+ 1000 in the decoder)
+        for offset, attn in ((0, t5.encoder.blocks[0].attn), (1000, t5.decoder.blocks[0].self_attn)):
+            attn.relative_attention_bias.weight.copy_(torch.arange(32)[:, None] + 100 * torch.arange(4) + offset)
+    encoder, decoder = plot_biases(position_biases(t5), dpi=50).axes
+    for ax, offset, buckets in ((encoder, 0, ENCODER_BUCKETS), (decoder, 1000, DECODER_BUCKETS)):
+        assert len(ax.lines) == 4 + 1  # the heads, and 0 marked
+        for head, line in enumerate(ax.lines[:4]):
+            drawn = dict(zip(line.get_xdata(), line.get_ydata()))
+            assert list(drawn) == list(range(-128, 129))
+            assert [None if math.isnan(drawn[d]) else drawn[d] for d in DISTANCES] == \
+                [None if b is None else 100 * head + b + offset for b in buckets]
+
+
+def test_plot_draws_the_values_the_log_kept(tmp_path):
+    """a step logged twice is drawn with its later value, as the run kept it; train and val records apart"""
+    from plot import plot_curves, read_log
+    records = [{"step": 0, "program": "train.py"},
+               {"step": 10, "loss": 5.0, "lr": 0.1, "elapsed": 60.0},
+               {"step": 20, "loss": 4.0, "lr": 0.2, "elapsed": 120.0},
+               {"step": 20, "val_loss": 4.5, "span_acc": 0.01, "span_baseline": 0.02, "examples": []},
+               {"step": 20, "loss": 3.5, "lr": 0.2, "elapsed": 130.0},  # resumed from step 10
+               {"step": 30, "loss": 3.0, "lr": 0.3, "elapsed": 190.0}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    curves = read_log(tmp_path / "log.jsonl")
+    assert curves["loss"] == ([10, 20, 30], [5.0, 3.5, 3.0]) and curves["val_loss"] == ([20], [4.5])
+    loss, span, lr = plot_curves(curves, dpi=50).axes[:3]
+    drawn = {line.get_label(): line.get_xydata().tolist() for ax in (loss, span, lr) for line in ax.lines}
+    assert drawn == {"loss": [[10, 5.0], [20, 3.5], [30, 3.0]], "val_loss": [[20, 4.5]], "span_acc": [[20, 0.01]],
+                     "span_baseline": [[20, 0.02]], "lr": [[10, 0.1], [20, 0.2], [30, 0.3]]}
+
+
+def test_plot_writes_a_runs_pictures_and_refuses_what_is_not_a_run(trained, tmp_path):
+    """plot.py as a user runs it: whole PNGs of the size asked for, with the curves of log.jsonl's values; a folder
+    of no run, and a run without its log, are one line"""
+    from matplotlib.image import imread
+    from plot import read_log
+    with open(os.path.join(trained, "log.jsonl")) as f:
+        losses = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    assert read_log(os.path.join(trained, "log.jsonl"))["loss"] == (list(losses), list(losses.values()))
+    r = run(["plot.py", trained, f"--out={tmp_path}", "--dpi=40"])
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["curves.png", "position_bias.png"]
+    assert r.stdout.split() == [str(tmp_path / "position_bias.png"), str(tmp_path / "curves.png")]
+    assert imread(tmp_path / "position_bias.png").shape[:2] == (5 * 40, 7 * 40)
+    assert imread(tmp_path / "curves.png").shape[:2] == (3 * 96, 7 * 40)  # 3 panels of 2.4 inches
+    step_folder = find_checkpoint(trained)
+    r = run(["plot.py", step_folder, f"--out={tmp_path / 'bias'}"])  # weights alone: the bias
+    assert r.returncode == 0 and os.listdir(tmp_path / "bias") == ["position_bias.png"], r.stderr
+    no_log = tmp_path / "no_log"
+    shutil.copytree(trained, no_log, ignore=shutil.ignore_patterns("log.jsonl"))
+    for folder, line in ((tmp_path / "bias", "holds no run or weights"), (no_log, "is a run without a log.jsonl")):
+        r = run(["plot.py", str(folder)])
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and line in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1
