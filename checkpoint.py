@@ -37,7 +37,6 @@ RUN_FILES = ("ckpt", "log.jsonl", "metrics.json", "predictions.jsonl")
 SAVED = re.compile(r"state\.pt|\.metadata|__\d+_\d+\.distcp|.*\.tmp")
 
 def check_new_run(out_dir):
-    """a new run writes into a folder of no other run's files"""
     found = [path for path in (os.path.join(out_dir, name)
                                for name in RUN_FILES) if os.path.exists(path)]
     if found:
@@ -49,10 +48,10 @@ def check_new_run(out_dir):
 # checkpoints: saved, found, read back
 
 def save_checkpoint(out_dir, t5, optimizer, step, elapsed, run):
-    """All a run needs to go on, in out_dir/ckpt/step-N, on any number of
-    ranks: rank 0's state.pt (step, run_record, RNG states), then each
-    rank's part of the tensors; .metadata, written last, marks it complete.
-    The newest two complete folders stay."""
+    """All a run needs to go on, in out_dir/ckpt/step-N: rank 0's state.pt
+    (step, run record, RNG states), then each rank's part of the tensors;
+    .metadata, written last, marks it complete. The newest two complete
+    folders stay."""
     ranks = dist.is_initialized()  # then each waits for the slowest write
     with distributed.save_timeout() if ranks else contextlib.nullcontext():
         rng = {"torch": torch.get_rng_state()}
@@ -110,8 +109,7 @@ def load_checkpoint(path, weights=True):
                       weights_only=False)
     ckpt["source"] = path
     if weights:
-        reader = dcp.FileSystemReader(path)
-        shapes = reader.read_metadata().state_dict_metadata
+        shapes = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         ckpt["model"] = {key.removeprefix("model."): torch.empty(
             md.size, dtype=md.properties.dtype)
             for key, md in shapes.items() if key.startswith("model.")}
@@ -140,8 +138,8 @@ def load_weights(model, ckpt):
         dcp.load(state, checkpoint_id=ckpt["source"])
         set_model_state_dict(model, state["model"])
         return model
-    sharded = isinstance(model, FSDPModule)
-    copy = distributed.set_values if sharded else torch.Tensor.copy_
+    copy = (distributed.set_values if isinstance(model, FSDPModule)
+            else torch.Tensor.copy_)
     for name, p in model.state_dict().items():
         copy(p, ckpt["model"][name])
     return model
@@ -151,7 +149,6 @@ def model_from_checkpoint(ckpt, **overrides):  # T5Config fields
     return load_weights(T5(config), ckpt)
 
 def diverged(out_dir, step):
-    """the line of a run whose loss or grad norm became NaN or inf"""
     fix = ("resume" if find_checkpoint(out_dir) else
            "no checkpoint yet: start again in a new --out_dir")
     return SystemExit(f"error: the loss or grad norm became NaN or inf by "
@@ -198,9 +195,9 @@ def started_early(out_dir, program, config, kept_on_resume):
     except (OSError, IndexError, ValueError):
         return False
     saved = first.get("config", {})
-    keys = (*kept_on_resume, "data_dir")
     if first.get("program") != program or any(
-            saved.get(key) != config[key] for key in keys):
+            saved.get(key) != config[key]
+            for key in (*kept_on_resume, "data_dir")):
         return False
     print0(f"{out_dir}/log.jsonl: dropped the {len(lines)} lines of a start "
            f"stopped before its first checkpoint")

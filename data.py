@@ -75,7 +75,6 @@ def random_spans_noise_mask(length, noise_density, mean_noise_span_length,
 def noise_span_to_unique_sentinel(tokens, noise_mask, first_sentinel_id):
     """T5's: each noise span (B, L) becomes one sentinel, counting down from
     first_sentinel_id (<extra_id_0>) in each row"""
-    # noise_mask shifted right
     previous_is_noise = np.pad(noise_mask[:, :-1], ((0, 0), (1, 0)))
     first_noise = noise_mask & ~previous_is_noise
     subsequent_noise = noise_mask & previous_is_noise
@@ -107,8 +106,7 @@ def span_corrupt(tokens, noise_density, mean_noise_span_length,
     targets = noise_span_to_unique_sentinel(tokens, ~noise_mask,
                                             first_sentinel_id)
     eos = np.full((len(tokens), 1), eos_id)
-    return (np.concatenate([inputs, eos], axis=1),
-            np.concatenate([targets, eos], axis=1))
+    return np.hstack([inputs, eos]), np.hstack([targets, eos])
 
 # the batch of every step
 
@@ -136,9 +134,8 @@ def train_order(seed, num_windows, epoch):
     return rng.permutation(num_windows)
 
 class SpanCorruptionBatches:
-    """Span-corrupted batches of a prepared folder's windows. Row r of step
-    k's batch depends on (seed, k, r) alone: resuming, more GPUs or
-    micro-steps change nothing."""
+    """Row r of step k's batch depends on (seed, k, r) alone: resuming, more
+    GPUs or micro-steps change nothing."""
     def __init__(self, data_dir, split, batch_size, input_length,
                  noise_density, mean_noise_span_length, seed):
         self.meta = load_meta(data_dir)
@@ -152,9 +149,9 @@ class SpanCorruptionBatches:
         paths = [os.path.join(data_dir, shard_name(split, i))
                  for i in range(len(files))]
         self.again = prepare_again(self.meta["settings"], data_dir)
-        # each shard's contents against meta.json's sha256: at once if it
-        # was written after meta.json (a stat each: start-up stays short),
-        # else in ShardCheck's thread (bit rot, a copy that kept its times)
+        # a shard newer than meta.json is checked now, the others in
+        # ShardCheck's thread (bit rot, a copy that kept its times): a stat
+        # each keeps start-up short
         written = os.path.getmtime(os.path.join(data_dir, "meta.json"))
         self.unchecked = []
         for path, file in zip(paths, files):
@@ -201,8 +198,7 @@ class SpanCorruptionBatches:
         """int64 (input_ids (b, input_length), labels (b, targets_length)) on
         device: micro_step's b rows of step's batch on this rank"""
         b = micro_batch_size(self.batch_size, grad_accum_steps, world_size)
-        first_row = (micro_step * world_size + rank) * b
-        rows = np.arange(first_row, first_row + b)
+        rows = (micro_step * world_size + rank) * b + np.arange(b)
         shards, starts = self.window_of(step * self.batch_size + rows)
         raw = np.stack([self.shards[s][i: i + self.raw_length]
                         for s, i in zip(shards, starts)])
@@ -222,7 +218,8 @@ class SpanCorruptionBatches:
         with open(path, "rb") as f:
             while chunk := f.read(chunk_bytes):
                 digest.update(chunk)
-                largest = max(largest, int(np.frombuffer(chunk, np.uint16).max()))
+                largest = max(largest,
+                              int(np.frombuffer(chunk, np.uint16).max()))
         if largest >= self.meta["vocab_size"]:
             raise SystemExit(
                 f"error: {path} holds token id {largest}, beyond its "

@@ -68,7 +68,6 @@ wandb_run_name = ""  # '' -> out_dir's folder name
 # -----------------------------------------------------------------------------
 
 def sni_split(data_dir, split):
-    """the file of the tasks of SNI's default train or test split"""
     path = os.path.join(data_dir, "splits", "default", f"{split}_tasks.txt")
     if not os.path.isfile(path):
         url = "https://github.com/allenai/natural-instructions"
@@ -141,8 +140,8 @@ def collate(examples, pad_id):
     """the model's arguments, right-padded to a multiple of 8 (labels with
     -100, which the loss ignores)"""
     def pad(sequences, value):
-        tensors = [torch.tensor(s) for s in sequences]
-        padded = pad_sequence(tensors, batch_first=True, padding_value=value)
+        padded = pad_sequence([torch.tensor(s) for s in sequences],
+                              batch_first=True, padding_value=value)
         return F.pad(padded, (0, -padded.size(1) % 8), value=value)
     inputs = [ex["input_ids"] for ex in examples]
     return dict(input_ids=pad(inputs, pad_id),
@@ -281,18 +280,14 @@ if __name__ == "__main__":
         return torch.randperm(len(train_examples), generator=generator)
 
     def micro_batches(step):
-        """this rank's micro-batches of step, collated"""
+        """this rank's micro-batches of step, collated: micro-step m takes
+        chunk m * world_size + rank of the step's rows"""
         epoch, i = divmod(step, steps_per_epoch)
-        order = epoch_order(epoch)
-        batches = []
-        for micro_step in range(grad_accum_steps):
-            first = (i * batch_size
-                     + (micro_step * rt.world_size + rt.rank) * micro_batch)
-            rows = order[first:first + micro_batch].tolist()
-            batch = collate([train_examples[j] for j in rows],
-                            model.config.pad_token_id)
-            batches.append({k: t.to(rt.device) for k, t in batch.items()})
-        return batches
+        rows = epoch_order(epoch)[i * batch_size:(i + 1) * batch_size]
+        chunks = rows.split(micro_batch)[rt.rank::rt.world_size]
+        batches = [collate([train_examples[j] for j in chunk.tolist()],
+                           model.config.pad_token_id) for chunk in chunks]
+        return [{k: t.to(rt.device) for k, t in b.items()} for b in batches]
 
     def evaluate():
         """greedy predictions of every test example, spread over the

@@ -50,8 +50,8 @@ def hf_names(model):
 
 def read_hf(name_or_dir):
     """(T5Config, state dict in our names, the tokenizer beside them or None:
-    T5's) of a gated-GELU T5 (t5-v1_1, flan-t5, t5-lm-adapt, nanoT5): a Hub
-    id, or a folder of config.json and model.safetensors or .bin"""
+    T5's) of a gated-GELU T5: a Hub id, or a folder of config.json and
+    model.safetensors or .bin"""
     folder = (name_or_dir if os.path.isdir(name_or_dir)
               else download(name_or_dir))
     if not os.path.isfile(os.path.join(folder, 'config.json')):
@@ -110,11 +110,12 @@ def save_pretrained(model, folder, tokenizer=None):
           for k, v in dataclasses.asdict(c).items()}
     hf.update(architectures=['T5ForConditionalGeneration'], model_type='t5',
               feed_forward_proj='gated-gelu', is_encoder_decoder=True,
-              initializer_factor=1.0, scale_decoder_outputs=c.output_scaling != 1.0)
+              initializer_factor=1.0,
+              scale_decoder_outputs=c.output_scaling != 1.0)
     os.makedirs(folder, exist_ok=True)
     if tokenizer:
-        hf['tokenizer_sha256'] = hashlib.sha256(tokenizer).hexdigest()
         tok = Tokenizer(tokenizer)
+        hf['tokenizer_sha256'] = tok.sha256
         name = 'tokenizer.tiktoken' if tok.tiktoken else 'spiece.model'
         with atomic_write(os.path.join(folder, name)) as f:
             f.write(tokenizer)
@@ -169,10 +170,10 @@ def download(repo_id):
     from huggingface_hub.errors import LocalEntryNotFoundError
     try:
         for weights in ('*.safetensors', 'pytorch_model*.bin'):  # or older
-            files = ['config.json', 'spiece.model', 'tokenizer.tiktoken',
-                     weights]
-            folder = snapshot_download(repo_id, allow_patterns=files,
-                                       etag_timeout=5)
+            folder = snapshot_download(
+                repo_id, etag_timeout=5, allow_patterns=[
+                    'config.json', 'spiece.model', 'tokenizer.tiktoken',
+                    weights])
             if glob.glob(os.path.join(folder, weights)):
                 break
     except LocalEntryNotFoundError:  # offline, or the Hub out of reach
@@ -195,8 +196,8 @@ def read_weights_file(folder):
                          f"in {folder}")
     if files[0].endswith('.safetensors'):
         from safetensors.torch import load_file  # which maps them
-        return {k: v for f in files for k, v in load_file(f).items()}
-    # an old file, not a zip, is read whole
-    mapped = [torch.load(f, map_location='cpu', weights_only=True,
-                         mmap=zipfile.is_zipfile(f)) for f in files]
-    return {k: v for state_dict in mapped for k, v in state_dict.items()}
+        shards = map(load_file, files)
+    else:  # an old file, not a zip, is read whole
+        shards = [torch.load(f, map_location='cpu', weights_only=True,
+                             mmap=zipfile.is_zipfile(f)) for f in files]
+    return {k: v for shard in shards for k, v in shard.items()}

@@ -6,7 +6,6 @@ share a bucket; the decoder's queries see only keys on their left.
 """
 import argparse
 import json
-import math
 import os
 
 import numpy as np
@@ -24,7 +23,7 @@ def position_biases(t5):
     biases = {name: attn.position_bias(query, keys)[0, :, 0].detach()
               for name, attn in (("encoder", t5.encoder.blocks[0].attn),
                                  ("decoder", t5.decoder.blocks[0].self_attn))}
-    biases["decoder"][:, m + 1:] = math.nan  # the future: masked, unseen
+    biases["decoder"][:, m + 1:] = torch.nan  # the future: masked, unseen
     return biases
 
 def read_log(path):

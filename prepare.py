@@ -113,7 +113,7 @@ def prepare(dataset="c4", tokenizer="t5", out_dir="data/c4", vocab_size=32000,
 
 def write_tokenizer(tokenizer, vocab_size, out_dir, docs):
     if tokenizer == "train":
-        print(f"training a {vocab_size}-piece sentencepiece model on the corpus")
+        print(f"training a {vocab_size}-piece sentencepiece model")
         tok = Tokenizer(train_spiece(docs("train"), vocab_size))
     elif tokenizer == "gpt2":
         tok = Tokenizer(gpt2_ranks())
@@ -268,7 +268,7 @@ def pydoc_documents():
                               if isinstance(node, (
                                   ast.Module, ast.ClassDef,
                                   ast.FunctionDef, ast.AsyncFunctionDef))]
-                yield "\n\n".join(d for d in docstrings if d)
+                yield "\n\n".join(filter(None, docstrings))
 
 def prepare_command(settings, data_dir):
     flags = [f"--{key}={shlex.quote(str(value))}"

@@ -64,8 +64,6 @@ def lock_folder(out_dir, lock=True):
               f"nothing else in it")
     return file
 
-# the device, its float modes, speed and memory
-
 DTYPES = ("float32", "tfloat32", "bfloat16")
 
 # dense peak FLOP/s (float32, tfloat32, bfloat16): NVIDIA's data sheets
@@ -91,7 +89,7 @@ def flops_per_step(model, batch_size, input_length, target_length):
                      for block in model.decoder.blocks)
     n_dec = sum(p.numel() for p in model.decoder.parameters()) - n_cross_kv
     n_head = c.d_model * c.vocab_size
-    flops = 6 * (n_enc * S + n_dec * T + n_cross_kv * S + n_head * T)
+    flops = 6 * ((n_enc + n_cross_kv) * S + (n_dec + n_head) * T)
     attention = (c.num_layers * S * S  # q k^T and a v
                  + c.num_decoder_layers * (T * T + T * S))
     flops += 12 * c.num_heads * c.d_kv * attention
@@ -110,8 +108,8 @@ def memory_report(device):  # after a GPU's first step: to size batch_size
             f"({100 * headroom / total:.0f}%)")
 
 def print_memory(model, optimizer, rt):
-    """after the first step: what rank 0 holds of the weights and optimizer
-    state (under FSDP, its slices); a GPU's peak"""
+    """what rank 0 holds of the weights and optimizer state (under FSDP,
+    its slices); a GPU's peak"""
     state = [v for s in optimizer.state.values() for v in s.values()]
     tensors = [*model.parameters(), *filter(torch.is_tensor, state)]
     held = sum(getattr(t, "to_local", lambda: t)().nbytes for t in tensors)
@@ -142,8 +140,8 @@ class Runtime:
         return self.rank == 0
 
     def autocast(self):  # bf16 has fp32's range: T5 overflows fp16
-        bf16 = self.dtype == "bfloat16"
-        return torch.autocast(self.device_type, torch.bfloat16, enabled=bf16)
+        return torch.autocast(self.device_type, torch.bfloat16,
+                              enabled=self.dtype == "bfloat16")
 
     def summed(self, values):
         """values (numbers, 0-d tensors on the device) summed over the
@@ -159,11 +157,10 @@ class Runtime:
         if given > 0 or self.device_type != "cuda":
             return given or None
         name = torch.cuda.get_device_name(self.device).strip()
-        if name not in PEAK_FLOPS:
-            print0(f"no MFU: '{name}' is not in runtime.PEAK_FLOPS; pass "
-                   f"--peak_flops=<its dense {self.dtype} FLOP/s>")
-            return None
-        return PEAK_FLOPS[name][DTYPES.index(self.dtype)]
+        if name in PEAK_FLOPS:
+            return PEAK_FLOPS[name][DTYPES.index(self.dtype)]
+        print0(f"no MFU: '{name}' is not in runtime.PEAK_FLOPS; pass "
+               f"--peak_flops=<its dense {self.dtype} FLOP/s>")
 
 def all_gathered(value):  # every rank's value (picklable), in rank order
     values = [value]
@@ -185,8 +182,7 @@ def setup_runtime(device="auto", dtype="bfloat16", seed=1337, fsdp=False):
     if fsdp and not torchrun:
         raise SystemExit("error: fsdp=True shards the model over the ranks "
                          "torchrun starts: launch with torchrun "
-                         "--nproc_per_node=N, or leave fsdp off for one "
-                         "process")
+                         "--nproc_per_node=N, or leave fsdp off")
     there = dict(cuda=torch.cuda.is_available(),
                  mps=torch.backends.mps.is_available(), cpu=True)
     if device == "auto":
@@ -224,7 +220,7 @@ class Signals:
     """SIGINT and SIGTERM ask the run to save and stop (caught: the
     number). Before the first step is done (step None) there is nothing to
     save: the run ends at once, where torch.compile would swallow a
-    KeyboardInterrupt. The process exits 128 + the number."""
+    KeyboardInterrupt."""
 
     def __init__(self, rt):
         self.rt, self.caught, self.step = rt, 0, None
@@ -247,18 +243,15 @@ class Signals:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-# the log
-
 class Logger:
     """A JSON line per event in out_dir/log.jsonl (rank 0), the first who
     the run is (program, config); a resume drops what came after its
-    checkpoint. With start_wandb, the numbers go to wandb too."""
+    checkpoint."""
 
     def __init__(self, out_dir, master=True, resume_step=None,
                  identity=None):
-        self.out_dir = out_dir
+        self.out_dir, self.resume_step = out_dir, resume_step
         self.path = os.path.join(out_dir, "log.jsonl") if master else None
-        self.resume_step = resume_step
         self.wandb_run = None
         if not master:
             return
@@ -292,8 +285,8 @@ class Logger:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run:  # numbers: no example texts, no missing MFU
-            numbers = {key: value for key, value in record.items()
-                       if isinstance(value, (int, float)) and key != "step"}
+            numbers = {k: v for k, v in record.items()
+                       if isinstance(v, (int, float)) and k != "step"}
             self.wandb_run.log(numbers, step=record["step"])
 
 def wandb_rule(wandb_log):  # installed, and logged in unless offline

@@ -38,8 +38,8 @@ class Tokenizer:
             self.bpe = tiktoken.Encoding("bpe", pat_str=BPE_PATTERN,
                                          mergeable_ranks=ranks,
                                          special_tokens={})
-            self.encode = self.bpe.encode_ordinary
-            self.decode_run = self.bpe.decode
+            self.encode, self.decode_run = (self.bpe.encode_ordinary,
+                                            self.bpe.decode)
             self.eos_id = self.pad_id = len(ranks)  # <|endoftext|>
             self.unk_id = None  # bytes: no text is unknown
             pieces = len(ranks) + 1
@@ -204,8 +204,6 @@ def tokenizer_sha256(ckpt):  # None: HF weights without spiece.model, T5's
     return hashlib.sha256(data).hexdigest() if data else T5_SPIECE_SHA256
 
 def check_tokenizer(ckpt, meta, source):
-    """a model reads only data of its own tokenizer: with another's, each
-    id would mean another piece to it"""
     sha256 = tokenizer_sha256(ckpt)
     vocab_size = ckpt["model_config"]["vocab_size"]
     data = (meta["tokenizer_sha256"], meta["model_vocab_size"])
@@ -214,14 +212,12 @@ def check_tokenizer(ckpt, meta, source):
             f"error: {source} was trained with another tokenizer (sha256 "
             f"{sha256[:12]}, model vocab {vocab_size}) than "
             f"{meta['data_dir']}'s (sha256 {data[0][:12]}, {data[1]}): "
-            f"prepare the data with the model's own tokenizer (prepare.py "
-            f"--tokenizer=t5 for Google's T5s, or an export's tokenizer "
-            f"file)")
+            f"prepare the data with the model's own tokenizer "
+            f"(--tokenizer=t5 for Google's T5s, or an export's file)")
 
 def tokenizer_of(ckpt, source):
-    """the tokenizer of a checkpoint's model: the one it carries; for HF
-    weights the spiece.model beside them, or else T5's; it makes the
-    model's vocab"""
+    """the one a checkpoint carries; for HF weights the spiece.model beside
+    them, or else T5's; it must make the model's vocab"""
     data, vocab_size = ckpt["tokenizer"], ckpt["model_config"]["vocab_size"]
     if data is None and vocab_size != 32128:  # T5's, padded
         raise SystemExit(f"error: {source} holds no spiece.model, and its "

@@ -27,7 +27,7 @@ from runtime import print0
 # default config: nanoT5's T5-v1.1-base recipe on C4; config/*.py and
 # --key=value override it
 out_dir = "out"
-data_dir = "data/c4"  # prepare.py's folder (data/pydoc is made on first use)
+data_dir = "data/c4"  # prepare.py's folder
 # 'scratch', 'resume' (out_dir's run), 'auto' (either), a run, HF weights
 init_from = "scratch"
 model = "t5-v1_1-base"
@@ -94,12 +94,12 @@ check_config(config, [
 # -----------------------------------------------------------------------------
 
 # 1. start-up, before any work: the device; out_dir, locked; what the run
-# starts from (its newest checkpoint, other weights, or nothing), found
-# before the data, so that a resume whose data is gone names it
+# starts from, found before the data, so that a resume whose data is gone
+# names it
 rt = runtime.setup_runtime(device, dtype, seed, fsdp)
 if rt.torchrun:  # the ranks' process group
     distributed.join(rt)
-lock = runtime.lock_folder(out_dir)  # one live run per out_dir, until it ends
+lock = runtime.lock_folder(out_dir)  # one live run per out_dir
 # a resume keeps these: its weights and optimizer state were made so
 kept_on_resume = ("model", "dropout", "optimizer", "weight_decay")
 resuming, ckpt = checkpoint.start_from(init_from, out_dir, "train.py",
@@ -193,9 +193,9 @@ run_record = dict(identity, meta=meta, tokenizer=tok.data, wandb_id=wandb_id)
 @torch.no_grad()
 def evaluate():
     """val_loss, val_acc (next token) and span_acc on the fixed val
-    batches, logged and printed with the examples filled in"""
+    batches, and the examples filled in"""
     train_t5.eval()
-    sums = torch.zeros(4, device=rt.device)  # loss, accuracy, spans right, spans
+    sums = torch.zeros(4, device=rt.device)
     for i in range(eval_steps):
         for micro_step in range(grad_accum_steps):
             input_ids, labels = val_data.get(i, micro_step, grad_accum_steps,
@@ -223,7 +223,6 @@ def evaluate():
         print0("\n".join(f"    {key}: {ex[key]}" for key in ex))
 
 def log_step(loss, grad_norm, step_s):
-    """a sync step's record and line: loss, lr, speed, MFU, time left"""
     mfu = runtime.mfu(step_flops, step_s, rt.world_size, peak)
     logger.log({"step": step, "loss": loss, "lr": lr_now,
                 "grad_norm": grad_norm.item(), "ms_per_step": 1000 * step_s,
