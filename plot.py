@@ -1,8 +1,9 @@
 """
-Pictures of a run, no wandb needed: its curves from log.jsonl, and the
-position bias each head learned, by key - query: flat where distances
-share a bucket; the decoder's queries see only keys on their left.
+Pictures of a run: its curves and the position bias each head learned.
     python plot.py out/t5_tiny    # writes and prints out/t5_tiny/*.png
+No wandb needed: the curves are log.jsonl's. A head's bias is drawn by key
+- query, flat where distances share a bucket; the decoder's queries see
+only keys on their left.
 """
 import argparse
 import json
@@ -81,7 +82,7 @@ if __name__ == "__main__":
                         "Hugging Face weights, as sample.py takes them")
     parser.add_argument("--out", help="where the PNGs go (default: the "
                         "run's folder; for weights, this one)")
-    parser.add_argument("--dpi", type=int, default=100)
+    parser.add_argument("--dpi", type=int, default=100, help="pixels an inch")
     args = parser.parse_args()
     ckpt = load(args.run)
     log = os.path.join(args.run, "log.jsonl")
