@@ -134,8 +134,9 @@ def train_order(seed, num_windows, epoch):
     return rng.permutation(num_windows)
 
 class SpanCorruptionBatches:
-    """Row r of step k's batch depends on (seed, k, r) alone: resuming, more
-    GPUs or micro-steps change nothing."""
+    """A prepared folder's windows, span-corrupted. Row r of step k's batch
+    depends on (seed, k, r) alone: resuming, more GPUs or micro-steps
+    change nothing."""
     def __init__(self, data_dir, split, batch_size, input_length,
                  noise_density, mean_noise_span_length, seed):
         self.meta = load_meta(data_dir)

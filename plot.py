@@ -29,16 +29,16 @@ def position_biases(t5):
 
 def read_log(path):
     """{key: (steps, values)} of log.jsonl's numbers; where a resume logged
-    a step twice, the later record is the one the run kept"""
-    with open(path) as f:
-        records = {(r["step"], "val_loss" in r): r for r in map(json.loads, f)}
+    a step's value twice, the later one is what the run kept"""
     curves = {}
-    for (step, _), record in sorted(records.items()):
-        for key, value in record.items():
-            if isinstance(value, float):
-                steps, values = curves.setdefault(key, ([], []))
-                steps.append(step)
-                values.append(value)
+    with open(path) as f:
+        for record in map(json.loads, f):
+            for key, value in record.items():
+                if isinstance(value, float):
+                    curves.setdefault(key, {})[record["step"]] = value
+    for key, values in curves.items():
+        steps = sorted(values)
+        curves[key] = (steps, [values[step] for step in steps])
     return curves
 
 def plot_curves(curves, dpi):

@@ -195,14 +195,16 @@ def test_plot_draws_each_heads_learned_bias_by_distance():
 
 
 def test_plot_draws_the_values_the_log_kept(tmp_path):
-    """a step logged twice is drawn with its later value, as the run kept it; train and val records apart"""
+    """a step logged twice is drawn with its later value, as the run kept it; another record of the same step (an
+    evaluation's) replaces none of its values"""
     from plot import plot_curves, read_log
     records = [{"step": 0, "program": "train.py"},
                {"step": 10, "loss": 5.0, "lr": 0.1, "elapsed": 60.0},
                {"step": 20, "loss": 4.0, "lr": 0.2, "elapsed": 120.0},
                {"step": 20, "val_loss": 4.5, "span_acc": 0.01, "span_baseline": 0.02, "examples": []},
                {"step": 20, "loss": 3.5, "lr": 0.2, "elapsed": 130.0},  # resumed from step 10
-               {"step": 30, "loss": 3.0, "lr": 0.3, "elapsed": 190.0}]
+               {"step": 30, "loss": 3.0, "lr": 0.3, "elapsed": 190.0},
+               {"step": 30, "rougeL": 40.0}]  # a fine-tuning's evaluation, after its step's record
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     curves = read_log(tmp_path / "log.jsonl")
     assert curves["loss"] == ([10, 20, 30], [5.0, 3.5, 3.0]) and curves["val_loss"] == ([20], [4.5])

@@ -204,6 +204,7 @@ def tokenizer_sha256(ckpt):  # None: HF weights without spiece.model, T5's
     return hashlib.sha256(data).hexdigest() if data else T5_SPIECE_SHA256
 
 def check_tokenizer(ckpt, meta, source):
+    """with another tokenizer's data, each id would mean another piece"""
     sha256 = tokenizer_sha256(ckpt)
     vocab_size = ckpt["model_config"]["vocab_size"]
     data = (meta["tokenizer_sha256"], meta["model_vocab_size"])
@@ -212,8 +213,8 @@ def check_tokenizer(ckpt, meta, source):
             f"error: {source} was trained with another tokenizer (sha256 "
             f"{sha256[:12]}, model vocab {vocab_size}) than "
             f"{meta['data_dir']}'s (sha256 {data[0][:12]}, {data[1]}): "
-            f"prepare the data with the model's own tokenizer "
-            f"(--tokenizer=t5 for Google's T5s, or an export's file)")
+            f"prepare the data with the model's own tokenizer (prepare.py "
+            f"--tokenizer=t5 for Google's T5s, or an export's file)")
 
 def tokenizer_of(ckpt, source):
     """the one a checkpoint carries; for HF weights the spiece.model beside
